@@ -1,0 +1,209 @@
+"""Decode-time attention over the paged KV arena.
+
+During decode every sequence contributes exactly one query token, and its K/V
+history is scattered over pages named by its block table.  The torch reference
+is not just a test oracle: it is the CPU production path, so it gathers only the
+pages actually needed and does GQA by grouping query heads instead of
+replicating K/V.  The Triton kernel runs one program per (sequence, kv head) and
+streams the pages with an online softmax.
+
+Block-table entries past a sequence's last block, and slots past its context
+length inside the last block, may point at arbitrary (even uninitialised)
+memory, so both paths mask them and never let their values reach the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # CPU-only installs run the torch path.
+    _HAS_TRITON = False
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, num_heads, head_dim]`` over each sequence's paged context."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+
+    # Gathering the full table width would waste work on padding blocks.
+    max_ctx = int(context_lens.max())
+    n_blocks = (max_ctx + block_size - 1) // block_size
+    tables = block_tables[:, :n_blocks].long()
+    total = n_blocks * block_size
+
+    # Indexing a kv-head-major view makes the gather land directly in
+    # [kvh, B, nb, bs, hd]: one copy per tensor, and merging (nb, bs) into T is
+    # free.  A [B, kvh, T, hd] layout would need a second, permuting copy of
+    # the whole gathered context, which dominates the CPU decode step.
+    layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd], a view
+    k = layer_cache[:, :, 0].transpose(0, 1)[:, tables]
+    v = layer_cache[:, :, 1].transpose(0, 1)[:, tables]
+    k = k.reshape(num_kv_heads, batch, total, head_dim).float()
+    v = v.reshape(num_kv_heads, batch, total, head_dim).float()
+
+    positions = torch.arange(total, device=q.device)
+    invalid = positions[None, :] >= context_lens.to(q.device).long()[:, None]  # [B, T]
+    # Masked slots may hold NaN/inf garbage; a zero probability times NaN is
+    # still NaN, so the values themselves must be cleared, not just the scores.
+    # v is a private copy from the gather, so this can be in place.
+    v.masked_fill_(invalid[None, :, :, None], 0.0)
+
+    # GQA without replicating K/V: the group's query heads become the rows of
+    # one matmul against their shared kv head.
+    qg = q.float().reshape(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, B, group, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, B, group, T]
+    scores.mul_(scale)
+    scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).transpose(0, 1)  # [B, kvh, group, hd]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr,
+        cache_ptr,
+        table_ptr,
+        ctx_ptr,
+        out_ptr,
+        scale,
+        head_dim,
+        stride_qb,
+        stride_qh,
+        stride_qd,
+        stride_cp,
+        stride_ch,
+        stride_ckv,
+        stride_ct,
+        stride_cd,
+        stride_tb,
+        stride_tn,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + seq)
+
+        g = tl.arange(0, GROUP_PAD)
+        t = tl.arange(0, BLOCK_T)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < GROUP
+        d_mask = d < head_dim
+        heads = kv_head * GROUP + g
+
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # Folding the scale into q once is cheaper than scaling every score.
+        q = q * scale
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+
+        head_base = cache_ptr + kv_head * stride_ch
+        n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+        for blk in range(0, n_blocks):
+            page = tl.load(table_ptr + seq * stride_tb + blk * stride_tn).to(tl.int64)
+            pos = blk * BLOCK_SIZE + t
+            t_mask = (t < BLOCK_SIZE) & (pos < ctx)
+            offs = page * stride_cp + t[:, None] * stride_ct + d[None, :] * stride_cd
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # Masked loads keep garbage past the context out of the math entirely.
+            k = tl.load(head_base + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(head_base + stride_ckv + offs, mask=kv_mask, other=0.0).to(tl.float32)
+
+            # Groups can be 1..8 wide, below tl.dot's 16-row minimum, so the
+            # products are done as broadcast-multiply-reduce.
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_T]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+
+            # ctx >= 1 guarantees the first block has a finite score, so m_new
+            # is finite from the first iteration on and exp() never sees inf-inf.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton version of :func:`paged_decode_attention_ref`."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    # Selecting the layer on the host folds its offset into the base pointer.
+    layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd]
+    _paged_decode_kernel[(batch, num_kv_heads)](
+        q,
+        layer_cache,
+        block_tables,
+        context_lens,
+        out,
+        float(scale),
+        head_dim,
+        *q.stride(),
+        *layer_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_SIZE=block_size,
+        BLOCK_T=triton.next_power_of_2(block_size),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention with Triton on CUDA, the batched torch path elsewhere."""
+    if _HAS_TRITON and q.is_cuda:
+        return paged_decode_attention_triton(q, kv_cache, layer, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, kv_cache, layer, block_tables, context_lens, scale)

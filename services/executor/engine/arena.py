@@ -1,0 +1,93 @@
+"""The page arena: one preallocated buffer holding every decoder layer's weights and the whole KV cache.
+
+A page is one KV block for all layers, laid out head-major `[kv_head, layer, k|v, token, head_dim]`, so
+that splitting heads for tensor parallelism cuts a page into contiguous pieces. The whole buffer is also
+viewed as `kv_cache[page, kv_head, layer, k|v, token, head_dim]`: block tables name pages by index, so KV
+can live in any page that is not in a slot, in any order, and no pointer arithmetic ever assumes where.
+
+Each decoder layer owns a contiguous run of pages (its slot) sized for its full-precision weights; the
+weight tensors are views into the slot and never move. Embeddings, the final norm and the LM head live
+outside the arena.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.engine.errors import MemoryBudgetError
+from services.executor.engine.ledger import PageLedger
+
+# Weight views inside a slot start on this boundary so that vectorised loads stay aligned.
+ALIGN_BYTES = 256
+
+
+def align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class ArenaGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        elems = self.num_kv_heads * self.num_layers * 2 * self.block_size * self.head_dim
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def pages_for_bytes(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.page_bytes)
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class Arena:
+    def __init__(self, geometry: ArenaGeometry, budget_bytes: int, layer_bytes: int, min_kv_tokens: int,
+                 device: torch.device | str = "cpu"):
+        self.geometry = geometry
+        page_bytes = geometry.page_bytes
+        num_pages = budget_bytes // page_bytes
+        self.slot_pages = geometry.pages_for_bytes(layer_bytes)
+        weight_pages = self.slot_pages * geometry.num_layers
+        min_kv_pages = geometry.pages_for_tokens(min_kv_tokens)
+        if num_pages < weight_pages + min_kv_pages:
+            need = (weight_pages + min_kv_pages) * page_bytes
+            raise MemoryBudgetError(
+                f"memory budget {_mib(budget_bytes)} holds {num_pages} pages of {_mib(page_bytes)}, but the "
+                f"{geometry.num_layers} decoder layers need {weight_pages} pages ({_mib(weight_pages * page_bytes)})"
+                f" and one sequence of {min_kv_tokens} tokens needs {min_kv_pages} more: "
+                f"raise the budget to at least {_mib(need)} or lower max_model_len")
+        self.num_pages = num_pages
+        self.buffer = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
+        self.kv_cache = self.buffer.view(geometry.dtype).view(
+            num_pages, geometry.num_kv_heads, geometry.num_layers, 2, geometry.block_size, geometry.head_dim)
+        self.ledger = PageLedger(num_pages)
+        for layer in range(geometry.num_layers):
+            self.ledger.assign_slot(layer, self.slot_range(layer))
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.page_bytes
+
+    def slot_range(self, layer: int) -> range:
+        """The pages of `layer`'s full-precision slot (slots are packed from page 0 upwards)."""
+        start = layer * self.slot_pages
+        return range(start, start + self.slot_pages)
+
+    def slot_view(self, layer: int, byte_offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor view of `shape` at `byte_offset` inside `layer`'s slot."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        slot = self.slot_range(layer)
+        start = slot.start * self.page_bytes + byte_offset
+        if byte_offset % ALIGN_BYTES or byte_offset + nbytes > len(slot) * self.page_bytes:
+            raise ValueError(f"view of {nbytes} bytes at {byte_offset} does not fit layer {layer}'s slot")
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)

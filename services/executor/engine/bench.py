@@ -1,0 +1,139 @@
+"""`morphling bench-engine`: offline generation throughput, our engine vs transformers.generate.
+
+Both generate exactly `--new-tokens` greedy tokens for each of the same ShareGPT prompts (chat-templated,
+EOS ignored), on the same weights, dtype and machine, one batch size after another. transformers runs
+each batch as one padded `generate` call, the usual way to batch it; we run it as one continuous batch.
+Prints a table, writes `engine_bench.json` and a bar chart into `--out`.
+"""
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.loader import resolve_model_path
+from services.executor.engine.sampling_params import SamplingParams
+from shared.config import EngineConfig, parse_size
+
+DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+
+
+def sharegpt_prompts(engine: LLMEngine, path: Path, count: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:
+    """`count` real first turns, chat-templated and cut to `max_prompt_tokens`, in a seeded random order."""
+    items = json.loads(path.read_text())
+    random.Random(seed).shuffle(items)
+    tok = engine.tokenizer
+    prompts = []
+    for item in items[:count]:
+        text = item["conversations"][0]["value"]
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+        prompts.append(ids[-max_prompt_tokens:])
+    return prompts
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(c.outputs[0].token_ids) == new_tokens for c in done)
+    return elapsed
+
+
+def run_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding, as generate wants
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == width + new_tokens
+    return elapsed
+
+
+def load_transformers(model: str):
+    from transformers import AutoModelForCausalLM  # test/benchmark-only dependency
+
+    path = Path(resolve_model_path(model))
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r["prompts"]) for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([i - 0.2 for i in x], [r["ours_tok_s"] for r in rows], 0.4, label="morphling")
+    ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], 0.4, label="transformers.generate")
+    ax.set_xticks(list(x), labels)
+    ax.set_xlabel("prompts in the batch")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("Offline generation throughput (same model, same machine)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated prompt counts")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--memory-budget", default="2GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    engine = LLMEngine(EngineConfig(model=args.model, memory_budget=parse_size(args.memory_budget),
+                                    max_model_len=args.max_prompt_tokens + args.new_tokens))
+    print("loading transformers for the same model ...", flush=True)
+    reference = load_transformers(args.model)
+    pad_id = engine.eos_token_ids[0] if engine.eos_token_ids else 0
+    warmup = sharegpt_prompts(engine, args.data / "prompts" / "ShareGPT_V3_filtered_1000.json", 2, 32, args.seed + 1)
+    run_ours(engine, warmup, 4)
+    run_transformers(reference, warmup, 4, pad_id)
+
+    rows = []
+    print(f"{'prompts':>8} {'prompt tok':>10} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}")
+    for count in [int(b) for b in args.batches.split(",")]:
+        prompts = sharegpt_prompts(engine, args.data / "prompts" / "ShareGPT_V3_filtered_1000.json", count,
+                                   args.max_prompt_tokens, args.seed)
+        generated = count * args.new_tokens
+        ours = run_ours(engine, prompts, args.new_tokens)
+        theirs = run_transformers(reference, prompts, args.new_tokens, pad_id)
+        row = dict(prompts=count, prompt_tokens=sum(map(len, prompts)), generated_tokens=generated,
+                   ours_s=ours, transformers_s=theirs, ours_tok_s=generated / ours,
+                   transformers_tok_s=generated / theirs, ratio=theirs / ours)
+        rows.append(row)
+        print(f"{count:>8} {row['prompt_tokens']:>10} {row['ours_tok_s']:>11.1f} {row['transformers_tok_s']:>9.1f}"
+              f" {row['ratio']:>5.2f}x", flush=True)
+
+    result = dict(
+        rows=rows,
+        config=dict(model=args.model, new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                    memory_budget=args.memory_budget, dtype="float32", torch_threads=torch.get_num_threads(),
+                    preemptions=engine.stats().preemptions),
+        machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=torch.get_num_threads()),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    (args.out / "engine_bench.json").write_text(json.dumps(result, indent=2))
+    plot(rows, args.out / "engine_bench.png")
+    print(f"wrote {args.out / 'engine_bench.json'} and {args.out / 'engine_bench.png'}")
+    return result

@@ -1,0 +1,57 @@
+"""Block tables: which pages hold a sequence's KV, shared by reference count, copied on write.
+
+The ledger owns the pages; this class only decides which of them each sequence uses.
+"""
+
+from services.executor.engine.ledger import PageLedger
+from services.executor.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, ledger: PageLedger, block_size: int):
+        self.ledger = ledger
+        self.block_size = block_size
+
+    def pages_needed(self, seq: Sequence, upto: int) -> int:
+        """Free pages `seq` needs so that positions [num_computed, upto) can be written."""
+        blocks = -(-upto // self.block_size)
+        new = max(0, blocks - len(seq.block_table))
+        return new + (1 if self._shared_write_block(seq) is not None else 0)
+
+    def tokens_that_fit(self, seq: Sequence) -> int:
+        """How many more tokens of `seq` the free pages can hold right now."""
+        free = self.ledger.num_free - (1 if self._shared_write_block(seq) is not None else 0)
+        capacity = (len(seq.block_table) + max(free, 0)) * self.block_size
+        return max(0, capacity - seq.num_computed)
+
+    def reserve(self, seq: Sequence, upto: int) -> list[tuple[int, int]]:
+        """Give `seq` pages for positions up to `upto`; returns (src, dst) page copies to run first."""
+        copies = []
+        shared = self._shared_write_block(seq)
+        if shared is not None:
+            src = seq.block_table[shared]
+            dst = self.ledger.allocate()
+            self.ledger.decref(src)
+            seq.block_table[shared] = dst
+            copies.append((src, dst))
+        blocks = -(-upto // self.block_size)
+        while len(seq.block_table) < blocks:
+            seq.block_table.append(self.ledger.allocate())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        child.block_table = list(parent.block_table)
+        for page in child.block_table:
+            self.ledger.incref(page)
+
+    def free(self, seq: Sequence) -> None:
+        for page in reversed(seq.block_table):
+            self.ledger.decref(page)
+        seq.block_table = []
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index of the partly filled block the next token goes into, if other sequences share it."""
+        idx = seq.num_computed // self.block_size
+        if seq.num_computed % self.block_size == 0 or idx >= len(seq.block_table):
+            return None
+        return idx if self.ledger.refcount(seq.block_table[idx]) > 1 else None

@@ -1,0 +1,236 @@
+"""The engine the executor service drives: add requests, abort them, step, read outputs and counters.
+
+One step = schedule, run the model on the packed batch, sample, then turn new tokens into per-sequence
+deltas (text, timestamps, logprobs, finish). Everything a request owns is freed the moment it finishes,
+is aborted or passes its deadline.
+"""
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.engine.arena import Arena, ArenaGeometry
+from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.errors import DuplicateRequestError, InvalidRequestError
+from services.executor.engine.ledger import LedgerSnapshot
+from services.executor.engine.loader import load_checkpoint, resolve_model_path
+from services.executor.engine.model import DecoderModel, layer_layout
+from services.executor.engine.outputs import Completion, CompletionDelta, CompletionOutput, TextStream, TokenLogprob
+from services.executor.engine.runner import ModelRunner
+from services.executor.engine.sampler import SamplingRow, sample
+from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.scheduler import Scheduler
+from services.executor.engine.sequence import Sequence, Status
+from services.executor.engine.tokenizer import Tokenizer
+from shared.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    preemptions: int
+    prompt_tokens: int  # prefill tokens computed, recomputation included
+    generated_tokens: int
+    steps: int
+    finished: int
+    aborted: int
+    expired: int  # requests dropped at their deadline
+    ledger: LedgerSnapshot
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        path = resolve_model_path(config.model)
+        checkpoint = load_checkpoint(path)
+        self.model_config = cfg = checkpoint.config
+        self.tokenizer = Tokenizer.load(path)
+        self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,)
+                                                          if self.tokenizer.eos_token_id is not None else ())
+        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
+        dtype = DTYPES[config.resolved_dtype()]
+        geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+        _, layer_bytes = layer_layout(cfg, dtype)
+        self.arena = Arena(geometry, config.memory_budget, layer_bytes, self.max_model_len, config.device)
+        self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len, progress)
+        self.blocks = BlockManager(self.arena.ledger, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_waiting)
+        self.runner = ModelRunner(self.model, config.block_size, config.device)
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._text: dict[int, TextStream] = {}
+        self._pending: list[CompletionDelta] = []
+        self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, finished=0, aborted=0, expired=0)
+        self._generate_ids = itertools.count()
+        snap = self.arena.ledger.snapshot()
+        log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
+                 snap.pages_total, self.arena.page_bytes, snap.pages_slot, snap.pages_kv,
+                 snap.pages_kv * config.block_size, self.max_model_len)
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    deadline: float | None = None, arrival_time: float | None = None) -> int:
+        """Admit a request; returns its prompt length. Raises InvalidRequestError or QueueFullError."""
+        if request_id in self._requests:
+            raise DuplicateRequestError(request_id)
+        params.validate(self.model_config.vocab_size)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})",
+                                      param="prompt")
+        wanted = len(prompt_ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(prompt_ids)} in the prompt, {wanted - len(prompt_ids)} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param="max_tokens" if params.max_tokens else "prompt")
+        seq = Sequence(request_id, 0, prompt_ids, params, arrival_time or time.time(), deadline,
+                       fork_into=params.n, generator=self._generator(params, 0))
+        self.scheduler.add(seq)
+        self._requests[request_id] = [seq]
+        self._text[seq.seq_id] = TextStream(self.tokenizer, prompt_ids, params)
+        return len(prompt_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its final deltas come out of the next step()."""
+        if request_id not in self._requests:
+            return False
+        self._end_request(request_id, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    # --- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[CompletionDelta]:
+        now = time.time()
+        for request_id, seqs in list(self._requests.items()):
+            if seqs[0].deadline is not None and now > seqs[0].deadline:
+                self._end_request(request_id, "deadline")
+        out, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return out
+        logits, sampled = self.runner.run(sched)
+        for chunk in sched.chunks:
+            chunk.seq.num_computed += chunk.length
+            if chunk.seq.first_scheduled_time is None:
+                chunk.seq.first_scheduled_time = now
+            self._counts["prompt_tokens"] += max(0, min(chunk.start + chunk.length, len(chunk.seq.prompt_ids))
+                                                    - chunk.start)
+        self._counts["steps"] += 1
+        seqs, rows = [], []
+        for row, chunk in enumerate(sampled):
+            for seq in self._fork(chunk.seq):
+                seqs.append(seq)
+                rows.append(row)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = sample(logits, [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids, self.eos_token_ids)
+                                 for s in seqs])
+        stamp = time.time()
+        for i, seq in enumerate(seqs):
+            logprob = None
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                logprob = [TokenLogprob(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])]
+            out.append(self._append_token(seq, result.token_ids[i], stamp, logprob))
+        return out
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The parent of an n > 1 request becomes n sequences sharing its prompt pages."""
+        if seq.fork_into == 1:
+            return [seq]
+        family = [seq]
+        for index in range(1, seq.fork_into):
+            child = Sequence(seq.request_id, index, seq.prompt_ids, seq.params, seq.arrival_time, seq.deadline,
+                             generator=self._generator(seq.params, index), num_computed=seq.num_computed,
+                             first_scheduled_time=seq.first_scheduled_time)
+            self.blocks.fork(seq, child)
+            self.scheduler.add_running(child)
+            self._text[child.seq_id] = TextStream(self.tokenizer, seq.prompt_ids, seq.params)
+            family.append(child)
+        seq.fork_into = 1
+        self._requests[seq.request_id] = family
+        return family
+
+    def _append_token(self, seq: Sequence, token: int, stamp: float, logprob) -> CompletionDelta:
+        params, text = seq.params, self._text[seq.seq_id]
+        seq.output_ids.append(token)
+        self._counts["generated_tokens"] += 1
+        reason, stop_reason = None, None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif (matched := text.add(token)) is not None:
+            reason, stop_reason = "stop", matched
+        if reason is None and (len(seq.output_ids) >= (params.max_tokens or self.max_model_len)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, stop_reason)
+        return self._delta(seq, [token], [stamp], logprob)
+
+    def _end_request(self, request_id: str, reason: str) -> None:
+        """Abort (reason "abort") or expire (reason "deadline") every live sequence of a request."""
+        self._counts["aborted" if reason == "abort" else "expired"] += 1
+        for seq in list(self._requests[request_id]):
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, reason, None)
+                self._pending.append(self._delta(seq, [], [], None))
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        """Free `seq`'s pages; the request is forgotten once all its sequences are done."""
+        self.scheduler.remove(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if all(s.status is Status.FINISHED for s in self._requests[seq.request_id]):
+            del self._requests[seq.request_id]
+            if reason in ("stop", "length"):
+                self._counts["finished"] += 1
+
+    def _delta(self, seq: Sequence, tokens: list[int], stamps: list[float], logprob) -> CompletionDelta:
+        finished = seq.status is Status.FINISHED
+        text = self._text[seq.seq_id].take(finished)
+        if finished:
+            del self._text[seq.seq_id]
+        return CompletionDelta(seq.request_id, seq.index, tokens, text, stamps, logprob, finished,
+                               seq.finish_reason, seq.stop_reason, len(seq.prompt_ids), len(seq.output_ids))
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self._rng.randrange(1 << 62)
+        return torch.Generator(device=self.config.device).manual_seed(seed)
+
+    # --- reading ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           preemptions=self.scheduler.num_preemptions, ledger=self.arena.ledger.snapshot(),
+                           **self._counts)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Completion]:
+        """Offline generation of a whole batch (tests and benchmarks); returns completions in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        done: dict[str, Completion] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            rid = f"generate-{next(self._generate_ids)}"
+            n_prompt = self.add_request(rid, prompt, p)
+            done[rid] = Completion(rid, n_prompt, [CompletionOutput(j) for j in range(p.n)])
+        while self.has_unfinished():
+            for delta in self.step():
+                done[delta.request_id].add(delta)
+        return list(done.values())

@@ -1,0 +1,49 @@
+"""Typed engine errors. Each carries the context a caller needs to report it without parsing text."""
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model file or directory is missing, malformed or inconsistent."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"cannot load model from {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint is well-formed but describes an architecture or feature we do not serve."""
+
+
+class MemoryBudgetError(EngineError):
+    """The arena cannot hold the weights plus one full-length sequence."""
+
+
+class LedgerError(EngineError):
+    """A page was about to be used twice, or freed while not in use: a bug, never a user error."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request or one of its sampling parameters is out of range; `param` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its bound; the request was not admitted."""
+
+    def __init__(self, waiting: int, limit: int):
+        super().__init__(f"waiting queue is full ({waiting}/{limit} requests)")
+        self.waiting = waiting
+        self.limit = limit
+
+
+class DuplicateRequestError(InvalidRequestError):
+    def __init__(self, request_id: str):
+        super().__init__(f"request id {request_id!r} is already in the engine", param="request_id")
+        self.request_id = request_id

@@ -1,0 +1,152 @@
+"""The arena's ledger: for every page, whether it is a free KV page, a used KV page, or part of a layer slot.
+
+It is the single source of truth for "how many KV blocks exist now". Pure Python (no torch) so that the
+property tests can drive millions of operations, and so that the controller-side code can reason about
+the same numbers without a model.
+
+Free pages are handed out highest id first. Layer slots sit at the low end of the arena, so pages that
+quantization later frees from slot tails ("extension" pages) are the last to be used and the cheapest
+to take back.
+"""
+
+import heapq
+from dataclasses import dataclass
+
+from services.executor.engine.errors import LedgerError
+
+FREE = -1  # owner value of a page that is KV and unused
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    pages_total: int
+    pages_slot: int  # pages inside decoder-layer weight slots
+    pages_kv_free: int
+    pages_kv_used: int
+    pages_base: int  # KV pages that were never part of a slot
+    pages_extension: int  # KV pages released from slot tails
+
+    @property
+    def pages_kv(self) -> int:
+        return self.pages_kv_free + self.pages_kv_used
+
+
+class PageLedger:
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise LedgerError(f"a ledger needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        # slot_of[p] = layer whose weight slot holds page p, or None for a KV page
+        self._slot_of: list[int | None] = [None] * num_pages
+        self._refcount = [0] * num_pages
+        self._free_heap = [-p for p in range(num_pages)]  # max-heap by page id
+        heapq.heapify(self._free_heap)
+        self._free = set(range(num_pages))
+        self._was_slot = [False] * num_pages  # has this page ever been part of a slot
+        self._slot_pages = 0
+
+    # --- weight slots -------------------------------------------------------------------------
+    def assign_slot(self, layer: int, pages: range) -> None:
+        """Make `pages` part of `layer`'s weight slot. Every page must be a free KV page."""
+        for p in pages:
+            self._check_page(p)
+            if p not in self._free:
+                owner = f"layer {self._slot_of[p]}'s slot" if self._slot_of[p] is not None else "live KV"
+                raise LedgerError(f"page {p} cannot join layer {layer}'s slot: it is {owner}")
+        for p in pages:
+            self._free.discard(p)
+            self._slot_of[p] = layer
+            self._was_slot[p] = True
+        self._slot_pages += len(pages)
+        self._rebuild_heap()
+
+    def release_slot_pages(self, layer: int, pages: range) -> None:
+        """Turn pages of `layer`'s slot (its tail, after quantization) into free KV pages."""
+        for p in pages:
+            self._check_page(p)
+            if self._slot_of[p] != layer:
+                raise LedgerError(f"page {p} is not in layer {layer}'s slot (owner: {self._slot_of[p]})")
+        for p in pages:
+            self._slot_of[p] = None
+            self._free.add(p)
+            heapq.heappush(self._free_heap, -p)
+        self._slot_pages -= len(pages)
+
+    def slot_of(self, page: int) -> int | None:
+        return self._slot_of[page]
+
+    # --- KV pages -----------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Take one free KV page (refcount 1). Raises LedgerError when none is free."""
+        while self._free_heap:
+            p = -heapq.heappop(self._free_heap)
+            if p in self._free:  # the heap may hold stale ids of pages since taken into a slot
+                self._free.discard(p)
+                self._refcount[p] = 1
+                return p
+        raise LedgerError("no free KV page")
+
+    def take(self, page: int) -> None:
+        """Allocate a specific free page (used when KV must move to a chosen place)."""
+        self._check_page(page)
+        if page not in self._free:
+            raise LedgerError(f"page {page} is not free")
+        self._free.discard(page)
+        self._refcount[page] = 1
+
+    def incref(self, page: int) -> None:
+        self._check_used(page)
+        self._refcount[page] += 1
+
+    def decref(self, page: int) -> None:
+        """Drop one reference; the page becomes free when none is left."""
+        self._check_used(page)
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            self._free.add(page)
+            heapq.heappush(self._free_heap, -page)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def snapshot(self) -> LedgerSnapshot:
+        free = len(self._free)
+        kv_pages = self.num_pages - self._slot_pages
+        extension = sum(1 for p in range(self.num_pages) if self._was_slot[p] and self._slot_of[p] is None)
+        return LedgerSnapshot(
+            pages_total=self.num_pages,
+            pages_slot=self._slot_pages,
+            pages_kv_free=free,
+            pages_kv_used=kv_pages - free,
+            pages_base=kv_pages - extension,
+            pages_extension=extension,
+        )
+
+    def check_consistency(self) -> None:
+        """Raise LedgerError if the bookkeeping contradicts itself (used by tests and debug builds)."""
+        for p in range(self.num_pages):
+            in_slot = self._slot_of[p] is not None
+            free = p in self._free
+            rc = self._refcount[p]
+            if in_slot and (free or rc):
+                raise LedgerError(f"page {p} is in a slot and also free or referenced (refcount {rc})")
+            if not in_slot and free == (rc > 0):
+                raise LedgerError(f"page {p}: free={free} but refcount={rc}")
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise LedgerError(f"page {page} is outside the arena (0..{self.num_pages - 1})")
+
+    def _check_used(self, page: int) -> None:
+        self._check_page(page)
+        if self._refcount[page] <= 0:
+            raise LedgerError(f"page {page} is not an allocated KV page")
+
+    def _rebuild_heap(self) -> None:
+        self._free_heap = [-p for p in self._free]
+        heapq.heapify(self._free_heap)

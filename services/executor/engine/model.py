@@ -1,0 +1,162 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a packed batch of tokens.
+
+Decoder-layer weights are views into the layer's arena slot, laid out by `layer_layout`; q/k/v and
+gate/up are fused so that each step does one matmul where the checkpoint has two or three. The batch is
+flat: single-token decodes first (paged decode attention over their block tables), then prefill chunks
+(attention over the chunk and the context already in cache). Only rows that sample get logits.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kernels.kv_write import write_kv
+from kernels.paged_attention import paged_decode_attention
+from kernels.prefill_attention import prefill_attention
+from services.executor.engine.arena import Arena, align
+from services.executor.engine.loader import Checkpoint
+from services.executor.engine.model_config import ModelConfig
+
+
+def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
+    """Byte offset and shape of each tensor in a layer slot, and the slot's size in bytes."""
+    shapes = {
+        "qkv_proj": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+        "o_proj": (cfg.hidden_size, cfg.q_size),
+        "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "input_norm": (cfg.hidden_size,),
+        "post_attn_norm": (cfg.hidden_size,),
+    }
+    if cfg.attention_bias:
+        shapes["qkv_bias"] = (cfg.q_size + 2 * cfg.kv_size,)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layout, offset = {}, 0
+    for name, shape in shapes.items():
+        layout[name] = (offset, shape)
+        offset = align(offset + math.prod(shape) * itemsize)
+    return layout, offset
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 or linear scaling applied as transformers does."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 statistics whatever the serving dtype, as the reference implementation computes them
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class PrefillChunk:
+    row: int  # first row of the chunk in the packed batch
+    length: int
+    block_table: torch.Tensor  # int32 pages of the sequence
+    context_start: int  # tokens of the sequence already in cache before the chunk
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64, page * block_size + offset
+    num_decode: int  # rows [0, num_decode) are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32, including the token itself
+    prefills: list[PrefillChunk]
+    logits_rows: torch.Tensor  # [S] int64 rows whose next token is sampled
+
+
+class DecoderModel:
+    def __init__(self, cfg: ModelConfig, arena: Arena, checkpoint: Checkpoint, dtype: torch.dtype,
+                 device: torch.device | str, max_positions: int, progress: bool = True):
+        self.cfg = cfg
+        self.arena = arena
+        self.dtype = dtype
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        layout, _ = layer_layout(cfg, dtype)
+        self.layers = []
+        for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
+            views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
+            get = lambda name: checkpoint.get(f"layers.{i}.{name}")  # noqa: E731
+            views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
+            views["o_proj"].copy_(get("o_proj"))
+            views["gate_up_proj"].copy_(torch.cat([get("gate_proj"), get("up_proj")]))
+            views["down_proj"].copy_(get("down_proj"))
+            views["input_norm"].copy_(get("input_norm"))
+            views["post_attn_norm"].copy_(get("post_attn_norm"))
+            if cfg.attention_bias:
+                views["qkv_bias"].copy_(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
+            self.layers.append(views)
+        self.embed_tokens = checkpoint.get("embed_tokens").to(device=device, dtype=dtype)
+        self.norm = checkpoint.get("norm").to(device=device, dtype=dtype)
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                        else checkpoint.get("lm_head").to(device=device, dtype=dtype))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        n = batch.input_ids.shape[0]
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        kv_cache = self.arena.kv_cache
+        nd = batch.num_decode
+        for index, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(h, w["qkv_proj"], w.get("qkv_bias"))
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            write_kv(k, v, kv_cache, index, batch.slot_mapping)
+            if not batch.prefills:
+                attn = paged_decode_attention(q, kv_cache, index, batch.decode_block_tables,
+                                              batch.decode_context_lens, self.scale)
+            else:
+                parts = []
+                if nd:
+                    parts.append(paged_decode_attention(q[:nd], kv_cache, index, batch.decode_block_tables,
+                                                        batch.decode_context_lens, self.scale))
+                for p in batch.prefills:
+                    rows = slice(p.row, p.row + p.length)
+                    parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
+                                                   p.context_start, self.scale))
+                attn = torch.cat(parts) if len(parts) > 1 else parts[0]
+            x = x + F.linear(attn.reshape(n, cfg.q_size), w["o_proj"])
+            h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(h, w["gate_up_proj"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["down_proj"])
+        x = rms_norm(x[batch.logits_rows], self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

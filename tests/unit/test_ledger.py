@@ -1,0 +1,114 @@
+"""The ledger never hands a page out twice, never frees what is not in use, and always adds up."""
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.executor.engine.errors import LedgerError
+from services.executor.engine.ledger import PageLedger
+
+
+def test_slots_are_carved_from_free_pages_and_refuse_double_use():
+    ledger = PageLedger(10)
+    ledger.assign_slot(0, range(0, 3))
+    with pytest.raises(LedgerError, match="layer 0's slot"):
+        ledger.assign_slot(1, range(2, 4))
+    page = ledger.allocate()
+    assert page == 9  # highest first: slot tails freed later are the last to be used
+    with pytest.raises(LedgerError, match="live KV"):
+        ledger.assign_slot(1, range(9, 10))
+    snap = ledger.snapshot()
+    assert (snap.pages_total, snap.pages_slot, snap.pages_kv_used, snap.pages_kv_free) == (10, 3, 1, 6)
+
+
+def test_released_slot_pages_become_extension_kv_pages():
+    ledger = PageLedger(8)
+    ledger.assign_slot(0, range(0, 4))
+    ledger.release_slot_pages(0, range(2, 4))
+    snap = ledger.snapshot()
+    assert (snap.pages_slot, snap.pages_base, snap.pages_extension, snap.pages_kv_free) == (2, 4, 2, 6)
+    with pytest.raises(LedgerError, match="not in layer 1's slot"):
+        ledger.release_slot_pages(1, range(0, 1))
+    taken = [ledger.allocate() for _ in range(6)]
+    assert taken[-2:] == [3, 2]  # extension pages go last
+    with pytest.raises(LedgerError, match="no free KV page"):
+        ledger.allocate()
+
+
+def test_freeing_a_free_page_is_refused():
+    ledger = PageLedger(4)
+    with pytest.raises(LedgerError, match="not an allocated KV page"):
+        ledger.decref(0)
+    with pytest.raises(LedgerError, match="outside the arena"):
+        ledger.incref(7)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Random allocate / share / free / slot changes against a model of who holds what."""
+
+    def __init__(self):
+        super().__init__()
+        self.ledger = PageLedger(24)
+        self.ledger.assign_slot(0, range(0, 6))
+        self.slot = set(range(0, 6))
+        self.refs: dict[int, int] = {}
+
+    @rule()
+    def allocate(self):
+        if self.ledger.num_free == 0:
+            with pytest.raises(LedgerError):
+                self.ledger.allocate()
+            return
+        page = self.ledger.allocate()
+        assert page not in self.refs and page not in self.slot
+        self.refs[page] = 1
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def share(self, data):
+        page = data.draw(st.sampled_from(sorted(self.refs)))
+        self.ledger.incref(page)
+        self.refs[page] += 1
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def free(self, data):
+        page = data.draw(st.sampled_from(sorted(self.refs)))
+        self.ledger.decref(page)
+        self.refs[page] -= 1
+        if not self.refs[page]:
+            del self.refs[page]
+
+    @rule(page=st.integers(0, 23))
+    def free_unowned_is_refused(self, page):
+        if page not in self.refs:
+            with pytest.raises(LedgerError):
+                self.ledger.decref(page)
+
+    @precondition(lambda self: self.slot)
+    @rule()
+    def release_slot_tail(self):
+        tail = max(self.slot)
+        self.ledger.release_slot_pages(0, range(tail, tail + 1))
+        self.slot.discard(tail)
+
+    @rule(page=st.integers(0, 23))
+    def grow_slot(self, page):
+        if page in self.refs or page in self.slot:
+            with pytest.raises(LedgerError):
+                self.ledger.assign_slot(0, range(page, page + 1))
+        else:
+            self.ledger.assign_slot(0, range(page, page + 1))
+            self.slot.add(page)
+
+    @invariant()
+    def adds_up(self):
+        self.ledger.check_consistency()
+        snap = self.ledger.snapshot()
+        assert snap.pages_slot == len(self.slot)
+        assert snap.pages_kv_used == len(self.refs)
+        assert snap.pages_kv_free == 24 - len(self.slot) - len(self.refs)
+        assert all(self.ledger.refcount(p) == n for p, n in self.refs.items())
+
+
+TestLedgerMachine = LedgerMachine.TestCase

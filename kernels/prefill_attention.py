@@ -22,18 +22,19 @@ def gather_kv(
     length: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the first ``length`` positions of one sequence as ``(k, v)``, each ``[kvh, length, hd]``."""
-    num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[4], kv_cache.shape[5]
+    num_pages, num_kv_heads, block_size = kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[4]
+    head_dim = kv_cache.shape[5]
     n_blocks = (length + block_size - 1) // block_size
     pages = block_table[:n_blocks].long()
-    layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd], a view
-    # Indexing a kv-head-major view lands the gather in [kvh, nb, bs, hd], so a
-    # single copy yields the final layout and merging (nb, bs) is free.
-    k = layer_cache[:, :, 0].transpose(0, 1)[:, pages]
-    v = layer_cache[:, :, 1].transpose(0, 1)[:, pages]
-    total = n_blocks * block_size
-    k = k.reshape(num_kv_heads, total, head_dim)[:, :length]
-    v = v.reshape(num_kv_heads, total, head_dim)[:, :length]
-    return k, v
+    # (page, kv_head) rows are contiguous blocks in the arena: index_select copies whole rows, and ordering
+    # them head-major lands the gather directly in [kvh, T, hd].
+    rows = (pages[None, :] * num_kv_heads + torch.arange(num_kv_heads, device=pages.device)[:, None]).reshape(-1)
+
+    def take(kv: int) -> torch.Tensor:
+        flat = kv_cache[:, :, layer, kv].reshape(num_pages * num_kv_heads, -1).index_select(0, rows)
+        return flat.view(num_kv_heads, n_blocks * block_size, head_dim)[:, :length]
+
+    return take(0), take(1)
 
 
 def prefill_attention(

@@ -5,8 +5,9 @@ CPU tensors and are compared with the torch references; the references are in
 turn checked against naive float64 loops written here, so a bug shared by both
 implementations still gets caught.  The cache is built the way the engine
 builds it: a strided view into a larger buffer with non-KV gaps between pages.
-Slots that no sequence owns are filled with NaN, so any kernel that reads past
-a context length or trusts a padding block-table entry fails loudly.
+Pages no sequence owns are filled with NaN, so a kernel that follows a wrong
+page id fails loudly; slots past a context inside an owned block hold random
+garbage (NaN, too, for prefill), so a kernel that lets them through fails too.
 """
 
 import math
@@ -45,21 +46,29 @@ def make_cache(num_pages, num_kv_heads, block_size, head_dim, gen, fill=None):
 
 
 def build_sequences(context_lens, num_pages, block_size, max_blocks, gen):
-    """Block tables with shuffled, disjoint pages; page 0 is reserved as the padding target."""
+    """Block tables with shuffled, disjoint pages; padding entries repeat the sequence's first page,
+    as the engine's runner pads them."""
     perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
     for b, ctx in enumerate(context_lens):
         n = math.ceil(ctx / block_size)
         tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+        tables[b, n:] = tables[b, 0]
     return tables
 
 
-def poison_unowned(kv_cache, tables, context_lens, block_size):
-    """NaN every slot of LAYER that no sequence's context covers."""
+def poison_unowned(kv_cache, tables, context_lens, block_size, tails=True):
+    """NaN every slot of LAYER that no sequence's context covers.
+
+    With tails=False, slots past a context inside an owned block keep their finite garbage: the engine
+    zeroes pages when it allocates them, and the decode reference relies on finite values there.
+    """
     owned = torch.zeros(kv_cache.shape[0], block_size, dtype=torch.bool)
     for b, ctx in enumerate(context_lens):
         for pos in range(ctx):
             owned[tables[b, pos // block_size], pos % block_size] = True
+        if not tails:
+            owned[tables[b, : math.ceil(ctx / block_size)].long()] = True
     layer_cache = kv_cache[:, :, LAYER]  # [P, kvh, 2, bs, hd]
     mask = ~owned[:, None, None, :, None]
     layer_cache.copy_(layer_cache.masked_fill(mask, float("nan")))
@@ -90,7 +99,7 @@ def decode_case(heads, head_dim, block_size, context_lens, seed):
     num_pages = sum(math.ceil(c / block_size) for c in context_lens) + 5
     kv_cache = make_cache(num_pages, num_kv_heads, block_size, head_dim, gen)
     tables = build_sequences(context_lens, num_pages, block_size, max_blocks, gen)
-    poison_unowned(kv_cache, tables, context_lens, block_size)
+    poison_unowned(kv_cache, tables, context_lens, block_size, tails=False)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
     return q, kv_cache, tables, ctx, 1.0 / math.sqrt(head_dim)

@@ -24,9 +24,13 @@ class BlockManager:
         capacity = (len(seq.block_table) + max(free, 0)) * self.block_size
         return max(0, capacity - seq.num_computed)
 
-    def reserve(self, seq: Sequence, upto: int) -> list[tuple[int, int]]:
-        """Give `seq` pages for positions up to `upto`; returns (src, dst) page copies to run first."""
-        copies = []
+    def reserve(self, seq: Sequence, upto: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Give `seq` pages for positions up to `upto`.
+
+        Returns the (src, dst) page copies to run first, and the fresh pages, which must be zeroed before
+        use: attention reads past a context inside the last block and relies on finding finite values.
+        """
+        copies, fresh = [], []
         shared = self._shared_write_block(seq)
         if shared is not None:
             src = seq.block_table[shared]
@@ -36,8 +40,9 @@ class BlockManager:
             copies.append((src, dst))
         blocks = -(-upto // self.block_size)
         while len(seq.block_table) < blocks:
-            seq.block_table.append(self.ledger.allocate())
-        return copies
+            fresh.append(self.ledger.allocate())
+            seq.block_table.append(fresh[-1])
+        return copies, fresh
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)

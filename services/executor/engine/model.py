@@ -2,7 +2,8 @@
 
 Decoder-layer weights are views into the layer's arena slot, laid out by `layer_layout`; q/k/v and
 gate/up are fused so that each step does one matmul where the checkpoint has two or three. The batch is
-flat: single-token decodes first (paged decode attention over their block tables), then prefill chunks
+flat: single-token decodes first (paged decode attention over their block tables, in groups of similar
+context length), then prefill chunks
 (attention over the chunk and the context already in cache). Only rows that sample get logits.
 """
 
@@ -83,14 +84,21 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token decodes of similar context length, attended together (padding stays small)."""
+    row: int
+    length: int
+    block_tables: torch.Tensor  # [length, max_blocks] int32
+    context_lens: torch.Tensor  # [length] int32, including the token itself
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     slot_mapping: torch.Tensor  # [N] int64, page * block_size + offset
-    num_decode: int  # rows [0, num_decode) are single-token decodes
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
-    decode_context_lens: torch.Tensor  # [num_decode] int32, including the token itself
-    prefills: list[PrefillChunk]
+    decodes: list[DecodeGroup]  # cover rows [0, number of decodes)
+    prefills: list[PrefillChunk]  # follow the decodes
     logits_rows: torch.Tensor  # [S] int64 rows whose next token is sampled
 
 
@@ -132,7 +140,6 @@ class DecoderModel:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         kv_cache = self.arena.kv_cache
-        nd = batch.num_decode
         for index, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(h, w["qkv_proj"], w.get("qkv_bias"))
@@ -141,19 +148,13 @@ class DecoderModel:
             k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
             write_kv(k, v, kv_cache, index, batch.slot_mapping)
-            if not batch.prefills:
-                attn = paged_decode_attention(q, kv_cache, index, batch.decode_block_tables,
-                                              batch.decode_context_lens, self.scale)
-            else:
-                parts = []
-                if nd:
-                    parts.append(paged_decode_attention(q[:nd], kv_cache, index, batch.decode_block_tables,
-                                                        batch.decode_context_lens, self.scale))
-                for p in batch.prefills:
-                    rows = slice(p.row, p.row + p.length)
-                    parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
-                                                   p.context_start, self.scale))
-                attn = torch.cat(parts) if len(parts) > 1 else parts[0]
+            parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, g.block_tables,
+                                            g.context_lens, self.scale) for g in batch.decodes]
+            for p in batch.prefills:
+                rows = slice(p.row, p.row + p.length)
+                parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
+                                               p.context_start, self.scale))
+            attn = torch.cat(parts) if len(parts) > 1 else parts[0]
             x = x + F.linear(attn.reshape(n, cfg.q_size), w["o_proj"])
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
             gate, up = F.linear(h, w["gate_up_proj"]).chunk(2, dim=-1)

@@ -1,9 +1,27 @@
 """Turns the scheduler's decision into the model's packed batch, runs it, returns logits to sample."""
 
+# Decode attention gathers every sequence's context padded to the longest in its group; a new group
+# starts where padding would exceed this share of a sequence's context. Each group costs a few more
+# small ops per layer, so their number is capped.
+MAX_PADDING = 0.25
+MAX_DECODE_GROUPS = 4
+
+
+def length_groups(lengths: list[int]) -> list[int]:
+    """Sizes of consecutive groups of `lengths` (sorted longest first) that keep padding small."""
+    sizes: list[int] = []
+    group_max = None
+    for n in lengths:
+        if group_max is None or (n < (1 - MAX_PADDING) * group_max and len(sizes) < MAX_DECODE_GROUPS):
+            sizes.append(0)
+            group_max = n
+        sizes[-1] += 1
+    return sizes
+
 import torch
 
 from kernels.block_copy import copy_blocks
-from services.executor.engine.model import DecoderModel, ForwardBatch, PrefillChunk
+from services.executor.engine.model import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
 from services.executor.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -15,16 +33,18 @@ class ModelRunner:
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Logits `[S, vocab]` (float32) for the chunks that complete their sequence, and those chunks."""
+        kv_cache = self.model.arena.kv_cache
+        if out.fresh_pages:
+            kv_cache[self._tensor(out.fresh_pages, torch.int64)] = 0
         if out.copies:
             src, dst = zip(*out.copies)
-            kv_cache = self.model.arena.kv_cache
             copy_blocks(kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
         batch, sampled = self.build(out.chunks)
         return self.model.forward(batch), sampled
 
     def build(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ScheduledChunk]]:
         bs = self.block_size
-        decodes = [c for c in chunks if c.length == 1]
+        decodes = sorted((c for c in chunks if c.length == 1), key=lambda c: -c.start)
         prefills = [c for c in chunks if c.length > 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -50,15 +70,21 @@ class ModelRunner:
             if c.completes:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(c)
-        width = max((len(c.seq.block_table) for c in decodes), default=0)
-        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
+        groups, row = [], 0
+        for size in length_groups([c.start + 1 for c in decodes]):
+            members = decodes[row:row + size]
+            width = max(len(c.seq.block_table) for c in members)
+            # padding repeats a page of the sequence itself: attention may read it and needs finite values
+            tables = [c.seq.block_table + c.seq.block_table[:1] * (width - len(c.seq.block_table))
+                      for c in members]
+            groups.append(DecodeGroup(row, size, self._tensor(tables, torch.int32),
+                                      self._tensor([c.start + 1 for c in members], torch.int32)))
+            row += size
         batch = ForwardBatch(
             input_ids=self._tensor(ids, torch.int64),
             positions=self._tensor(positions, torch.int64),
             slot_mapping=self._tensor(slots, torch.int64),
-            num_decode=len(decodes),
-            decode_block_tables=self._tensor(tables, torch.int32).view(len(decodes), width),
-            decode_context_lens=self._tensor([c.start + 1 for c in decodes], torch.int32),
+            decodes=groups,
             prefills=prefill_chunks,
             logits_rows=self._tensor(logits_rows, torch.int64),
         )

@@ -33,6 +33,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
     copies: list[tuple[int, int]] = field(default_factory=list)  # page copies to run before the step
+    fresh_pages: list[int] = field(default_factory=list)  # newly allocated pages, to zero before the step
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -113,7 +114,9 @@ class Scheduler:
         return out
 
     def _take(self, seq: Sequence, length: int, out: SchedulerOutput, in_step: set[int]) -> None:
-        out.copies += self.blocks.reserve(seq, seq.num_computed + length)
+        copies, fresh = self.blocks.reserve(seq, seq.num_computed + length)
+        out.copies += copies
+        out.fresh_pages += fresh
         out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
         in_step.add(seq.seq_id)
 

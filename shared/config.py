@@ -35,3 +35,54 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+def _env_list(name: str) -> tuple[str, ...]:
+    import os
+
+    return tuple(k.strip() for k in os.environ.get(name, "").split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    gateway_id: str = "gw0"
+    api_keys: tuple[str, ...] = ()  # MORPHLING_API_KEYS, comma-separated; empty = auth off
+    admin_keys: tuple[str, ...] = ()  # MORPHLING_ADMIN_KEYS, for /v1/cluster*
+    max_body_bytes: int = 4 << 20
+    admission_timeout_s: float = 2.0  # an executor answers admission within this
+    request_timeout_s: float = 600.0  # default per-request deadline
+    retry_after_s: int = 1  # Retry-After on 429
+    drain_timeout_s: float = 30.0
+
+    @classmethod
+    def from_env(cls, **overrides) -> "GatewayConfig":
+        return cls(**({"api_keys": _env_list("MORPHLING_API_KEYS"),
+                       "admin_keys": _env_list("MORPHLING_ADMIN_KEYS")} | overrides))
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    executor_id: str = "exec0"
+    nats_url: str = "nats://127.0.0.1:4222"
+    engine: EngineConfig = EngineConfig()
+    telemetry_interval_s: float = 0.1
+    latency_window_s: float = 10.0  # queue delay / TTFT / TPOT averages are over this window
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    publish_interval_s: float = 0.2  # ClusterState at >= 4 Hz
+    ewma_half_life_s: float = 1.0
+    dead_after_s: float = 1.0  # missed heartbeats (telemetry every ~0.1 s) before an executor is dead
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    controller_id: str = "ctl0"
+    command_timeout_s: float = 2.0
+    command_retries: int = 2

@@ -1,0 +1,190 @@
+"""Every message on the bus, as a pydantic model with a schema version (DESIGN.md, "The bus").
+
+Bodies travel as MessagePack (see shared/bus.py). A message whose `v` is not SCHEMA_VERSION, or that
+fails validation, is logged and dropped by the receiver. Unknown fields are refused so that a typo on
+one side fails loudly in tests instead of being silently ignored.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: int = SCHEMA_VERSION
+
+
+class Part(BaseModel):
+    """A piece of a message (not sent on its own, so it carries no version)."""
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- inference ------------------------------------------------------------------------------------
+class SamplingOptions(Part):
+    """The engine's SamplingParams, field for field; the executor validates them with the engine's rules."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(Message):
+    request_id: str
+    gateway: str  # the gateway id: token batches go to tokens.<gateway>
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict[str, Any]] | None = None  # chat: rendered with the model's own template
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    arrival_time: float
+    deadline: float | None = None  # absolute time.time(); the executor abandons the request after it
+
+
+class ErrorInfo(Part):
+    message: str
+    type: Literal["invalid_request_error", "queue_full", "unavailable", "internal_error"]
+    param: str | None = None
+    code: str | None = None
+
+
+class Admission(Message):
+    """The executor's reply to a GenerateRequest: admitted (tokens will follow) or refused, with why."""
+    request_id: str
+    executor: str
+    accepted: bool
+    prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class TopLogprob(Part):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class LogprobEntry(Part):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class TokenDelta(Part):
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    text: str
+    timestamps: list[float]
+    logprobs: list[LogprobEntry] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | deadline | error
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: ErrorInfo | None = None  # set when the executor failed the request after admitting it
+
+
+class TokenBatch(Message):
+    """All deltas of one engine step for one gateway."""
+    executor: str
+    deltas: list[TokenDelta]
+
+
+class Cancel(Message):
+    request_id: str
+
+
+# --- telemetry and state --------------------------------------------------------------------------
+class KvPages(Part):
+    pages_total: int  # pages in the arena (weights and KV)
+    pages_slot: int  # pages inside decoder-layer weight slots
+    pages_free: int  # free KV pages
+    pages_used: int  # KV pages holding live blocks
+    pages_base: int  # KV pages that were never part of a slot
+    pages_extension: int  # KV pages released from slot tails by quantization
+
+
+class GpuStats(Part):
+    memory_used: int
+    memory_total: int
+    utilization_pct: float
+
+
+class ExecutorTelemetry(Message):
+    executor: str
+    time: float
+    model: str
+    max_model_len: int
+    block_size: int
+    page_bytes: int
+    kv: KvPages
+    layers: list[int]  # bits per decoder layer, in order
+    running: int
+    waiting: int
+    max_waiting: int
+    preemptions: int
+    prompt_tokens: int
+    generated_tokens: int
+    queue_delay_s: float  # mean wait before first scheduling, over the last window
+    ttft_s: float  # mean time to first token, over the last window
+    tpot_s: float  # mean time per output token, over the last window
+    draining: bool = False
+    gpu: GpuStats | None = None
+
+
+class ExecutorState(Part):
+    executor: str
+    alive: bool
+    last_seen: float
+    kv_usage: float  # smoothed used / total KV pages
+    queue_delay_s: float  # smoothed
+    waiting: float  # smoothed
+    telemetry: ExecutorTelemetry  # the latest raw report
+
+
+class ClusterState(Message):
+    time: float
+    executors: list[ExecutorState]
+
+
+# --- commands and events --------------------------------------------------------------------------
+CommandKind = Literal["ping", "drain", "quantize", "restore", "resize", "replicate", "migrate",
+                      "tp_merge", "tp_split"]
+
+
+class Command(Message):
+    seq: int  # per issuer, increasing: a repeated seq is answered from the executor's record, not re-run
+    issuer: str
+    kind: CommandKind
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class CommandResult(Message):
+    seq: int
+    issuer: str
+    executor: str
+    kind: CommandKind
+    ok: bool
+    error: str | None = None
+    state: dict[str, Any] = Field(default_factory=dict)
+
+
+class Event(Message):
+    kind: str  # e.g. command, executor_up, executor_down, request_rejected, morph_started, morph_finished
+    source: str
+    time: float
+    data: dict[str, Any] = Field(default_factory=dict)

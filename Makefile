@@ -1,8 +1,9 @@
 VENV ?= .venv
+PORT ?= 8000
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install test bench-engine clean
+.PHONY: install test up bench-engine clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,6 +18,10 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# Everything on this machine: embedded nats-server, monitor, controller, an executor, the gateway.
+up: install
+	$(VENV)/bin/morphling up --port $(PORT)
 
 bench-engine: install
 	$(VENV)/bin/morphling bench-engine

@@ -1,29 +1,48 @@
-"""The `morphling` command: one entry point, a subcommand per process or tool."""
+"""The `morphling` command: one entry point, a subcommand per process or tool.
+
+Each subcommand hands the rest of the command line to its module's `main(argv)`, imported only when
+that subcommand runs: starting one process must not import the others (the gateway has no torch,
+the executor has no web server), and `morphling --help` works before every module exists.
+"""
 
 import argparse
+import importlib
 import logging
 import sys
+
+# name -> (module, help). The deployment files (docker-compose.yml) are checked against these names.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.up", "start nats-server, monitor, controller, executors and a gateway on one machine"),
+    "gateway": ("services.gateway.app", "the OpenAI-compatible HTTP front end"),
+    "executor": ("services.executor.service", "one engine on one device, serving requests from the bus"),
+    "monitor": ("services.monitor.service", "turns executor telemetry into the cluster state"),
+    "controller": ("services.controller.service", "morphs executors under load, cheapest lever first"),
+    "bench-engine": ("services.executor.engine.bench",
+                     "offline generation throughput: our engine vs transformers.generate"),
+}
+
+
+def _usage_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="morphling", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        # add_help=False: `morphling gateway --help` must reach the gateway's own parser.
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {
-        "bench-engine": "offline generation throughput: our engine vs transformers.generate",
-    }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        parser = argparse.ArgumentParser(prog="morphling")
-        sub = parser.add_subparsers(dest="command", required=True)
-        for name, help_text in commands.items():
-            sub.add_parser(name, help=help_text, add_help=False)
-        parser.parse_args(argv[:1])
+    if not argv or argv[0] not in COMMANDS:
+        # Prints usage; exits 0 for --help and 2 for a missing or unknown command.
+        _usage_parser().parse_args(argv[:1])
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command, rest = argv[0], argv[1:]
-    if command == "bench-engine":
-        from services.executor.engine.bench import main as bench_engine
-
-        bench_engine(rest)
-    return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(COMMANDS[command][0])
+    result = module.main(rest)
+    # Tools return a report (bench-engine returns its rows), services an exit status or None.
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

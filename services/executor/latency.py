@@ -1,0 +1,117 @@
+"""Per-request bookkeeping of the executor: latency windows for telemetry and the request's trace spans.
+
+The engine only knows sequences; the service needs, per request, where its tokens go (the gateway),
+when it was admitted, first scheduled, produced its first and last token, and the trace context it
+arrived with. All of that is recorded by the engine thread; the telemetry task only reads the windows,
+which are therefore guarded by a lock.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from shared.telemetry import RECORD_CONTENT, tracer
+
+
+class LatencyWindow:
+    """Mean of the values recorded over the last `window_s` seconds (0.0 when there are none)."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._items: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def record(self, value: float, now: float | None = None) -> None:
+        with self._lock:
+            self._items.append((now if now is not None else time.monotonic(), value))
+
+    def mean(self, now: float | None = None) -> float:
+        cutoff = (now if now is not None else time.monotonic()) - self.window_s
+        with self._lock:
+            while self._items and self._items[0][0] < cutoff:
+                self._items.popleft()
+            if not self._items:
+                return 0.0
+            return sum(v for _, v in self._items) / len(self._items)
+
+
+@dataclass
+class TrackedRequest:
+    """What the service remembers about an admitted request until all its sequences have finished."""
+    request_id: str
+    gateway: str
+    n: int
+    prompt_tokens: int
+    model: str
+    max_tokens: int | None
+    temperature: float
+    trace_context: otel_context.Context
+    admitted: float  # time.time() when the engine accepted it
+    sequence: object | None = None  # the engine's first Sequence: its first_scheduled_time is read later
+    prompt_text: str | None = None  # only kept when content recording is on
+    first_token: float | None = None
+    last_token: float | None = None
+    output_tokens: dict[int, int] = field(default_factory=dict)  # per completion index
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def first_scheduled(self) -> float | None:
+        return getattr(self.sequence, "first_scheduled_time", None)
+
+    def observe(self, index: int, timestamps: list[float], output_tokens: int) -> None:
+        if timestamps:
+            self.first_token = min(self.first_token or timestamps[0], timestamps[0])
+            self.last_token = max(self.last_token or timestamps[-1], timestamps[-1])
+        self.output_tokens[index] = output_tokens
+
+    @property
+    def tpot(self) -> float | None:
+        longest = max(self.output_tokens.values(), default=0)
+        if self.first_token is None or self.last_token is None or longest < 2:
+            return None
+        return (self.last_token - self.first_token) / (longest - 1)
+
+
+def _ns(t: float) -> int:
+    return int(t * 1e9)
+
+
+def emit_spans(req: TrackedRequest, end: float) -> None:
+    """Record the request's spans after the fact, with the times the engine measured.
+
+    Creating them at the end (with explicit start and end times) costs nothing on the hot path and
+    gives exact phase boundaries: queue (admission → first scheduled), prefill (→ first token),
+    decode (first → last token).
+    """
+    t = tracer("morphling.executor")
+    attrs = {
+        "gen_ai.system": "morphling",
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.request.model": req.model,
+        "gen_ai.request.temperature": req.temperature,
+        "gen_ai.usage.input_tokens": req.prompt_tokens,
+        "gen_ai.usage.output_tokens": sum(req.output_tokens.values()),
+        "gen_ai.response.finish_reasons": [req.finish_reasons[i] for i in sorted(req.finish_reasons)],
+        "morphling.request_id": req.request_id,
+    }
+    if req.max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = req.max_tokens
+    if RECORD_CONTENT and req.prompt_text is not None:
+        attrs["gen_ai.prompt"] = req.prompt_text
+    root = t.start_span("executor.request", context=req.trace_context, start_time=_ns(req.admitted),
+                        attributes=attrs)
+    inside = trace.set_span_in_context(root)
+    scheduled = req.first_scheduled
+    t.start_span("executor.queue", context=inside, start_time=_ns(req.admitted)).end(
+        end_time=_ns(scheduled if scheduled is not None else end))
+    if scheduled is not None:
+        first = req.first_token if req.first_token is not None else end
+        t.start_span("executor.prefill", context=inside, start_time=_ns(scheduled)).end(end_time=_ns(first))
+    if req.first_token is not None and req.last_token is not None:
+        t.start_span("executor.decode", context=inside, start_time=_ns(req.first_token)).end(
+            end_time=_ns(req.last_token))
+    root.end(end_time=_ns(end))

@@ -1,0 +1,240 @@
+"""The executor process: NATS on one side, the engine on the other (DESIGN.md, "Processes").
+
+This side is thin on purpose. The engine runs in its own thread (worker.py); here the asyncio loop
+receives requests, cancels and commands, answers commands, publishes telemetry, and drains the one
+ordered outbox through which everything the engine thread sends leaves, so that a request's Admission
+reply is always written before its first TokenBatch.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from services.executor.engine.errors import EngineError
+from services.executor.worker import EngineWorker, rejection
+from shared import subjects
+from shared.bus import Bus, BusError, Incoming
+from shared.config import EngineConfig, ExecutorConfig, parse_size
+from shared.messages import Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages
+from shared.telemetry import setup_tracing
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
+# No quantization yet: every layer serves at the width of the engine's dtype.
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def served_model_name(model: str) -> str:
+    """The name a model is served and reported under: the default's own name, else the path's basename."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(os.path.expanduser(model)))
+
+
+class ExecutorService:
+    def __init__(self, config: ExecutorConfig, engine=None):
+        if engine is None:
+            # Imported here so that importing this module (for served_model_name, say) needs no torch.
+            from services.executor.engine.engine import LLMEngine
+
+            engine = LLMEngine(config.engine, progress=False)
+        self.config = config
+        self.engine = engine
+        self.id = config.executor_id
+        self.model_name = served_model_name(engine.config.model)
+        self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
+        self._bus: Bus | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[Callable[[], Awaitable[None]] | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
+        self._read_gpu: Callable[[int], GpuStats | None] | None = None
+        self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s, self._send,
+                                   self._publish)
+
+    @property
+    def draining(self) -> bool:
+        return self.worker.draining
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self, bus: Bus) -> None:
+        self._bus, self._loop = bus, asyncio.get_running_loop()
+        self._tasks = [asyncio.create_task(self._publisher(), name=f"{self.id}-publisher"),
+                       asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")]
+        self.worker.start()
+        self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer),
+                      await bus.subscribe(subjects.cancel(self.id), Cancel, self._on_cancel),
+                      await bus.subscribe(subjects.command(self.id), Command, self._on_command)]
+        await bus.flush()
+        log.info("executor %s serving %s (max_model_len %d)", self.id, self.model_name, self.engine.max_model_len)
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish (aborting them after the timeout), shut down."""
+        self.worker.draining = True
+        if self._bus is None:
+            return
+        deadline = time.monotonic() + drain_timeout_s
+        while self.worker.snapshot.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.worker.snapshot.in_flight:
+            log.warning("executor %s: aborting %d requests still in flight after %.1f s", self.id,
+                        self.worker.snapshot.in_flight, drain_timeout_s)
+        for sub in self._subs:
+            await sub.unsubscribe()
+        await asyncio.to_thread(self.worker.join)  # aborts what is left; its final deltas are queued
+        self._tasks[1].cancel()
+        await self._outbox.put(None)  # the publisher sends everything queued, then ends
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._bus.flush()
+
+    # --- bus handlers -------------------------------------------------------------------------
+    async def _on_infer(self, incoming: Incoming) -> None:
+        if self.draining:
+            await incoming.reply(rejection(self.id, incoming.message, "unavailable", "executor is draining"))
+            return
+        self.worker.admit(incoming.message, incoming)
+
+    async def _on_cancel(self, incoming: Incoming) -> None:
+        self.worker.cancel(incoming.message.request_id)
+
+    async def _on_command(self, incoming: Incoming) -> None:
+        cmd: Command = incoming.message
+        key = (cmd.issuer, cmd.seq)
+        result = self._commands.get(key)
+        if result is None:
+            result = self._run_command(cmd)
+            self._commands[key] = result
+            while len(self._commands) > COMMAND_MEMORY:
+                self._commands.popitem(last=False)
+        if incoming.can_reply:
+            await incoming.reply(result)
+
+    def _run_command(self, cmd: Command) -> CommandResult:
+        result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
+        snap = self.worker.snapshot
+        if cmd.kind == "ping":
+            result.state = {"running": snap.stats.running, "waiting": snap.stats.waiting, "draining": self.draining}
+        elif cmd.kind == "drain":
+            self.worker.draining = True
+            result.state = {"in_flight": snap.in_flight}
+        else:
+            result.ok = False
+            result.error = f"command {cmd.kind!r} is not supported by this executor yet"
+        log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
+        return result
+
+    # --- sending ------------------------------------------------------------------------------
+    def _send(self, send: Callable[[], Awaitable[None]]) -> None:
+        """From the engine thread: queue a send behind everything queued before it."""
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, send)
+
+    async def _publish(self, subject: str, message) -> None:
+        await self._bus.publish(subject, message)
+
+    async def _publisher(self) -> None:
+        while (send := await self._outbox.get()) is not None:
+            try:
+                await send()
+            except Exception:  # one lost message must not hold back the ones behind it
+                log.exception("executor %s: sending failed", self.id)
+
+    async def _telemetry(self) -> None:
+        while True:
+            try:
+                await self._bus.publish(subjects.telemetry(self.id), self.telemetry())
+            except Exception:
+                log.exception("executor %s: telemetry failed", self.id)
+            await asyncio.sleep(self.config.telemetry_interval_s)
+
+    def telemetry(self) -> ExecutorTelemetry:
+        snap, engine, worker = self.worker.snapshot, self.engine, self.worker
+        stats, ledger = snap.stats, snap.stats.ledger
+        return ExecutorTelemetry(
+            executor=self.id, time=time.time(), model=self.model_name, max_model_len=engine.max_model_len,
+            block_size=engine.config.block_size, page_bytes=engine.arena.page_bytes,
+            kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
+                       pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
+                       pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
+            layers=[DTYPE_BITS.get(engine.config.resolved_dtype(), 16)] * engine.model_config.num_layers,
+            running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
+            preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
+            ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats())
+
+    def _gpu_stats(self) -> GpuStats | None:
+        device = self.engine.config.device
+        if not device.startswith("cuda"):
+            return None
+        if self._read_gpu is None:
+            try:
+                from services.monitor.nvml import read_gpu_stats
+            except ImportError:
+                log.warning("services.monitor.nvml is unavailable: telemetry carries no GPU stats")
+                read_gpu_stats = None
+            self._read_gpu = read_gpu_stats or (lambda index: None)
+        try:
+            return self._read_gpu(int(device.partition(":")[2] or 0))
+        except Exception:  # a flaky NVML read must not cost the heartbeat
+            log.debug("reading GPU stats failed", exc_info=True)
+            return None
+
+
+# --- process ------------------------------------------------------------------------------------
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
+    p.add_argument("--nats", default=ExecutorConfig.nats_url, help="NATS URL (default %(default)s)")
+    p.add_argument("--id", default=ExecutorConfig.executor_id, help="executor id (default %(default)s)")
+    p.add_argument("--model", default=d.model, help="'default', a Hugging Face directory or a .gguf file")
+    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument("--memory-budget", type=parse_size, default=d.memory_budget, help="page arena size, e.g. 1GiB")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish at shutdown (default %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("executor")
+    engine_config = replace(EngineConfig(), model=args.model, device=args.device, memory_budget=args.memory_budget,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_waiting=args.max_waiting, block_size=args.block_size)
+    config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config)
+    try:
+        service = ExecutorService(config)
+    except EngineError as exc:
+        log.error("executor %s cannot start: %s", config.executor_id, exc)
+        return 1
+
+    async def serve() -> None:
+        bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await service.start(bus)
+        await stopping.wait()
+        log.info("executor %s: stopping; no new requests, waiting for %d in flight", config.executor_id,
+                 service.worker.snapshot.in_flight)
+        await service.stop(args.drain_timeout)
+        await bus.close()
+
+    try:
+        asyncio.run(serve())
+    except BusError as exc:
+        log.error("executor %s: %s", config.executor_id, exc)
+        return 1
+    return 0

@@ -1,0 +1,230 @@
+"""The engine thread: the only code that touches the engine once the executor serves.
+
+Torch work blocks, so the engine runs in one dedicated thread; the asyncio side only submits
+operations (admit, cancel, abort-all) and reads the `snapshot` this thread refreshes after every
+iteration. What the thread sends goes through `send`, the service's single ordered outbox, so a
+request's Admission reply is written before its first TokenBatch and each request's deltas leave in
+step order.
+
+The gateway is promised exactly n finished deltas per admitted request. The engine emits a single
+index-0 delta when a request with n > 1 is aborted or expires before it forked, so the missing
+indices are filled in here.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from services.executor.engine.errors import InvalidRequestError, QueueFullError
+from services.executor.engine.sampling_params import SamplingParams
+from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
+from services.executor.wire import token_delta
+from shared import subjects
+from shared.bus import Incoming
+from shared.messages import Admission, ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta
+from shared.telemetry import RECORD_CONTENT
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the thread waits for work when the engine has none
+
+Send = Callable[[Callable[[], Awaitable[None]]], None]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the asyncio side may read about the engine, replaced whole by the engine thread."""
+    stats: object  # EngineStats
+    in_flight: int  # admitted requests not yet finished
+
+
+def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None) -> Admission:
+    return Admission(request_id=req.request_id, executor=executor, accepted=False,
+                     error=ErrorInfo(type=kind, message=message, param=param))
+
+
+class EngineWorker:
+    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float,
+                 send: Send, publish: Callable[[str, Message], Awaitable[None]]):
+        self.engine = engine
+        self.executor = executor
+        self.model_name = model_name
+        self.draining = False  # set by the service; admissions seen after it are refused
+        self.snapshot = Snapshot(engine.stats(), 0)
+        self.queue_delay = LatencyWindow(latency_window_s)
+        self.ttft = LatencyWindow(latency_window_s)
+        self.tpot = LatencyWindow(latency_window_s)
+        self._send, self._publish = send, publish
+        self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{executor}-engine", daemon=True)
+
+    # --- called from the asyncio side ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        """Stop the thread (blocking): late admissions are refused, leftovers aborted and flushed."""
+        self._stop.set()
+        self._thread.join()
+
+    def admit(self, req: GenerateRequest, incoming: Incoming) -> None:
+        self._ops.put(lambda: self._admit(req, incoming))
+
+    def cancel(self, request_id: str) -> None:
+        self._ops.put(lambda: self.engine.abort(request_id))
+
+    def abort_all(self) -> None:
+        self._ops.put(self._abort_all)
+
+    # --- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                # With work to do, never wait: a waiting step would add latency to every running request.
+                self._apply_ops(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
+                if self.engine.has_unfinished():
+                    self._step()
+                self.snapshot = Snapshot(self.engine.stats(), len(self._tracked))
+            except Exception:  # the thread is the executor: it must outlive any single failure
+                log.exception("executor %s: engine loop iteration failed", self.executor)
+                time.sleep(IDLE_WAIT_S)
+        self._apply_ops(wait=0.0)
+        self._abort_all()
+        for _ in range(3):  # abort deltas come out of the next step
+            if not self.engine.has_unfinished():
+                break
+            self._step()
+        self.snapshot = Snapshot(self.engine.stats(), len(self._tracked))
+
+    def _apply_ops(self, wait: float) -> None:
+        try:
+            op = self._ops.get(timeout=wait) if wait > 0 else self._ops.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                op()
+            except Exception:
+                log.exception("executor %s: engine operation failed", self.executor)
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, req: GenerateRequest, incoming: Incoming) -> None:
+        admission = self._try_admit(req, incoming)
+        self._send(lambda: incoming.reply(admission))
+
+    def _try_admit(self, req: GenerateRequest, incoming: Incoming) -> Admission:
+        if self.draining or self._stop.is_set():
+            return rejection(self.executor, req, "unavailable", "executor is draining")
+        try:
+            if req.messages is not None:
+                if req.prompt is not None:
+                    raise InvalidRequestError("give either prompt or messages, not both", param="messages")
+                prompt = self.engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                                   **req.chat_template_kwargs)
+            elif req.prompt is not None:
+                prompt = req.prompt
+            else:
+                raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
+            params = SamplingParams(**req.sampling.model_dump())
+            admitted = time.time()
+            prompt_len = self.engine.add_request(req.request_id, prompt, params, deadline=req.deadline,
+                                                 arrival_time=admitted)
+        except InvalidRequestError as exc:
+            return rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
+        except QueueFullError as exc:
+            return rejection(self.executor, req, "queue_full", str(exc))
+        except Exception as exc:
+            log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
+            return rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
+        # The first sequence object records its first scheduling time; holding it lets us read that later.
+        first_seq = (self.engine._requests.get(req.request_id) or [None])[0]
+        self._tracked[req.request_id] = TrackedRequest(
+            req.request_id, req.gateway, params.n, prompt_len, self.model_name, params.max_tokens,
+            params.temperature, incoming.trace_context, admitted, first_seq,
+            prompt_text=prompt if RECORD_CONTENT and isinstance(prompt, str) else None)
+        return Admission(request_id=req.request_id, executor=self.executor, accepted=True, prompt_tokens=prompt_len)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception:
+            log.exception("executor %s: engine step failed; failing %d requests", self.executor, len(self._tracked))
+            self._fail_all()
+            return
+        by_gateway: dict[str, list[TokenDelta]] = {}
+        now = time.time()
+        ended: dict[str, TrackedRequest] = {}
+        for d in deltas:
+            req = self._tracked.get(d.request_id)
+            if req is None:  # a request already failed by us: its abort leftovers are not news
+                continue
+            if req.first_token is None and d.timestamps:
+                if req.first_scheduled is not None:
+                    self.queue_delay.record(req.first_scheduled - req.admitted)
+                self.ttft.record(d.timestamps[0] - req.admitted)
+            req.observe(d.index, d.timestamps, d.num_output_tokens)
+            by_gateway.setdefault(req.gateway, []).append(token_delta(d, self.engine.tokenizer))
+            if d.finished:
+                req.finish_reasons[d.index] = d.finish_reason
+                ended[d.request_id] = req
+        # Only once the whole step is read: all n sequences may finish in the same step.
+        for request_id, req in ended.items():
+            if request_id in self.engine._requests:  # some of its sequences are still going
+                continue
+            out = by_gateway[req.gateway]
+            last = next(t for t in reversed(out) if t.request_id == request_id)
+            for index in range(req.n):
+                if index not in req.finish_reasons:  # cancelled or expired before the fork
+                    req.finish_reasons[index] = last.finish_reason
+                    out.append(last.model_copy(update={"index": index, "token_ids": [], "text": "",
+                                                       "timestamps": [], "logprobs": None, "output_tokens": 0}))
+            self._finish(req, now)
+        for gateway, batch in by_gateway.items():
+            self._publish_batch(gateway, batch)
+
+    def _finish(self, req: TrackedRequest, now: float) -> None:
+        del self._tracked[req.request_id]
+        if req.tpot is not None:
+            self.tpot.record(req.tpot)
+        try:
+            emit_spans(req, now)
+        except Exception:
+            log.exception("executor %s: recording spans of %s failed", self.executor, req.request_id)
+
+    def _publish_batch(self, gateway: str, deltas: list[TokenDelta]) -> None:
+        batch = TokenBatch(executor=self.executor, deltas=deltas)
+        self._send(lambda: self._publish(subjects.tokens(gateway), batch))
+
+    def _fail_all(self) -> None:
+        """After a failed step: end every in-flight request with an error delta and free its pages."""
+        by_gateway: dict[str, list[TokenDelta]] = {}
+        now = time.time()
+        for req in list(self._tracked.values()):
+            for index in range(req.n):
+                if index in req.finish_reasons:
+                    continue
+                req.finish_reasons[index] = "error"
+                by_gateway.setdefault(req.gateway, []).append(TokenDelta(
+                    request_id=req.request_id, index=index, token_ids=[], text="", timestamps=[],
+                    finished=True, finish_reason="error", prompt_tokens=req.prompt_tokens,
+                    output_tokens=req.output_tokens.get(index, 0),
+                    error=ErrorInfo(type="internal_error", message="the executor failed while generating")))
+            self._finish(req, now)
+            try:
+                self.engine.abort(req.request_id)
+            except Exception:
+                log.exception("executor %s: aborting %s after a failed step failed", self.executor, req.request_id)
+        for gateway, batch in by_gateway.items():
+            self._publish_batch(gateway, batch)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            self.engine.abort(request_id)

@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI API in front of the executors, over the bus."""

@@ -1,0 +1,282 @@
+"""The gateway process: FastAPI app (OpenAI endpoints, auth, limits, health, metrics) and its entry point.
+
+Bodies are read and validated by hand instead of through FastAPI's parameter binding, because OpenAI
+clients expect 400 with OpenAI's error shape (never FastAPI's 422) and a byte limit that also holds
+for chunked uploads without a Content-Length.
+"""
+
+import argparse
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.completions import SPAN_SCOPE_KEY, generate, too_large
+from services.gateway.dispatch import Dispatcher
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from services.gateway.router import serving
+from shared.bus import Bus
+from shared.config import GatewayConfig
+from shared.telemetry import setup_tracing, tracer
+
+log = logging.getLogger("morphling.gateway")
+
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/health", "/ready",
+              "/metrics"}
+_OPEN_WHILE_DRAINING = {"/health", "/metrics"}
+
+
+class Gateway:
+    """Per-app state shared by the middleware, the routes and main()'s graceful shutdown."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.bus: Bus | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.draining = False
+        self.in_flight = 0
+
+
+def _error(err: ApiError, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if err.status == 429 and retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _key_ok(header: str | None, keys: tuple[str, ...]) -> bool:
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer "):].strip().encode()
+    # Compare against every key so the time taken does not reveal which one nearly matched.
+    return any([hmac.compare_digest(given, k.encode()) for k in keys])
+
+
+def _guard(gw: Gateway, request: Request) -> ApiError | None:
+    """Draining, auth and declared body size, checked before any route runs."""
+    path = request.url.path
+    if gw.draining and path not in _OPEN_WHILE_DRAINING:
+        return ApiError(503, "the gateway is shutting down", "server_error", None, "draining")
+    if path.startswith("/v1/"):
+        # Admin routes need an admin key; with none configured they fall back to the API keys.
+        admin = path.startswith("/v1/cluster")
+        keys = (gw.config.admin_keys or gw.config.api_keys) if admin else gw.config.api_keys
+        if keys and not _key_ok(request.headers.get("authorization"), keys):
+            return ApiError(401, "Incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > gw.config.max_body_bytes:
+        return too_large(gw)
+    return None
+
+
+class _Guard:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which ends before a streamed body does): the
+    server span, request counting for graceful drain, and the checks of _guard, around every request."""
+
+    def __init__(self, app, gw: Gateway, otel: trace.Tracer):
+        self.app, self.gw, self.otel = app, gw, otel
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        gw, path = self.gw, scope["path"]
+        status = 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        with self.otel.start_as_current_span(f"{scope['method']} {path}", kind=trace.SpanKind.SERVER) as span:
+            # The generation flow outlives the endpoint call when streaming: hand it the span itself.
+            scope[SPAN_SCOPE_KEY] = span
+            gw.in_flight += 1
+            try:
+                err = _guard(gw, Request(scope))
+                if err is not None:
+                    gw.metrics.rejected.labels(err.code or err.type).inc()
+                    await _error(err)(scope, receive, send_and_note)
+                else:
+                    await self.app(scope, receive, send_and_note)
+            finally:
+                gw.in_flight -= 1
+                span.set_attribute("http.response.status_code", status)
+                gw.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(status)).inc()
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model) -> dict:
+    schema = model.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)  # hoisted into components by _openapi_with_bodies
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_with_bodies(app: FastAPI):
+    """FastAPI's schema plus the nested models of the hand-parsed request bodies."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = build()
+            for model in (CompletionRequest, ChatCompletionRequest):
+                defs = model.model_json_schema(ref_template=_REF).get("$defs", {})
+                spec.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    return openapi
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gw = Gateway(config)
+    otel = tracer("morphling.gateway")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not (config.api_keys or config.admin_keys):
+            log.warning("no API keys configured: authentication is off")
+        gw.bus = await Bus.connect(config.nats_url, f"gateway-{config.gateway_id}")
+        gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics)
+        await gw.dispatcher.start()
+        log.info("gateway %s connected to %s", config.gateway_id, config.nats_url)
+        yield
+        await gw.bus.close()
+
+    # Recent FastAPI emits its own server spans; ours carry the GenAI attributes, so one set is enough.
+    native = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
+        if "telemetry" in inspect.signature(FastAPI).parameters else {}
+    app = FastAPI(title="Morphling", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  **native)
+    app.state.gateway = gw
+
+    app.add_middleware(_Guard, gw=gw, otel=otel)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, err: ApiError):
+        if err.status in (404, 413, 429, 503):
+            gw.metrics.rejected.labels(err.code or err.type).inc()
+        return _error(err, config.retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        return _error(ApiError(400, first["msg"], "invalid_request_error", ".".join(map(str, first["loc"])) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if gw.bus is None or not gw.bus.connected:
+            raise ApiError(503, "not connected to the bus", "server_error", None, "bus_disconnected")
+        if not gw.dispatcher.live_count():
+            raise ApiError(503, "no live executor", "server_error", None, "no_executor")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        seen: dict[str, dict] = {}
+        for e in serving(gw.dispatcher.state):
+            t = e.telemetry
+            entry = seen.setdefault(t.model, {"id": t.model, "object": "model", "created": int(t.time),
+                                              "owned_by": "morphling", "max_model_len": t.max_model_len})
+            entry["max_model_len"] = min(entry["max_model_len"], t.max_model_len)
+        return {"object": "list", "data": list(seen.values())}
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        state = gw.dispatcher.state
+        return {"executors": [{"id": e.executor, "alive": e.alive, "model": e.telemetry.model,
+                               "draining": e.telemetry.draining, "layers": e.telemetry.layers,
+                               "kv": {k: getattr(e.telemetry.kv, k) for k in
+                                      ("pages_total", "pages_free", "pages_base", "pages_extension")},
+                               "running": e.telemetry.running, "waiting": e.telemetry.waiting}
+                              for e in (state.executors if state else [])]}
+
+    # Bodies are parsed by hand (OpenAI's 400s, not FastAPI's 422s); the schema is still published so that
+    # clients and fuzzers know the shape.
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        return await generate(gw, request, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await generate(gw, request, chat=True)
+
+    app.openapi = _openapi_with_bodies(app)
+
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT keep listening but answer 503, let in-flight requests finish (up to
+    drain_timeout_s), then shut down; a second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway):
+        super().__init__(config)
+        self.gw = gw
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.gw.draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self.gw.draining = True
+        log.info("draining: refusing new requests, waiting for %d in flight", self.gw.in_flight)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.gw.config.drain_timeout_s
+        while self.gw.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.gw.in_flight:
+            log.warning("drain timeout: %d requests still in flight", self.gw.in_flight)
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="morphling gateway", description="Morphling's OpenAI-compatible gateway")
+    parser.add_argument("--nats", help="NATS URL (default nats://127.0.0.1:4222)")
+    parser.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument("--id", dest="gateway_id", help="gateway id on the bus (default gw0)")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in (("nats_url", args.nats), ("host", args.host), ("port", args.port),
+                                   ("gateway_id", args.gateway_id)) if v is not None}
+    config = GatewayConfig.from_env(**overrides)
+    setup_tracing("gateway")
+    app = create_app(config)
+    server = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5, access_log=False), app.state.gateway)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the gateway, in a registry of its own.
+
+A private CollectorRegistry keeps several gateways in one test process from colliding and keeps the
+default process collectors of unrelated libraries out of /metrics. Latencies are measured where the
+client sees them (the gateway), except inter-token latency, which uses the executor's per-token
+timestamps because tokens cross the bus in batches and arrival times would hide the real spacing.
+
+Queue time is defined as arrival at the gateway -> admission accepted by an executor: the time spent
+finding an executor with room. The executor's own waiting before its first scheduling is not visible
+per request here (the executor reports it as a windowed mean in telemetry).
+"""
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shared.messages import ClusterState
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("morphling_time_to_first_token_seconds",
+                              "Arrival at the gateway to the first generated token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("morphling_inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request (executor timestamps)",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("morphling_e2e_request_latency_seconds",
+                             "Arrival at the gateway to the last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("morphling_request_queue_time_seconds",
+                               "Arrival at the gateway to admission by an executor", buckets=_LATENCY_BUCKETS,
+                               registry=r)
+        self.running = Gauge("morphling_requests_running", "Requests running on live executors", registry=r)
+        self.waiting = Gauge("morphling_requests_waiting", "Requests waiting on live executors", registry=r)
+        self.kv_usage = Gauge("morphling_kv_cache_usage_ratio", "Mean KV cache usage over live executors",
+                              registry=r)
+        self.rejected = Counter("morphling_requests_rejected", "Requests refused by the gateway", ["reason"],
+                                registry=r)
+        self.requests = Counter("morphling_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+
+    def observe_state(self, state: ClusterState) -> None:
+        live = [e for e in state.executors if e.alive]
+        self.running.set(sum(e.telemetry.running for e in live))
+        self.waiting.set(sum(e.telemetry.waiting for e in live))
+        self.kv_usage.set(sum(e.kv_usage for e in live) / len(live) if live else 0.0)
+
+    def observe_token_times(self, previous: float | None, timestamps: list[float]) -> float | None:
+        """Record the gaps between consecutive token timestamps; returns the last one seen."""
+        for t in timestamps:
+            if previous is not None:
+                self.itl.observe(max(0.0, t - previous))
+            previous = t
+        return previous
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,25 @@
+"""Which executor gets the next request: a pure function of the monitor's cluster state.
+
+Pure so that it is tested without a bus and so that the gateway's retry loop (queue full, executor
+gone) is just "call again with the failed ones excluded".
+"""
+
+from shared.messages import ClusterState, ExecutorState
+
+
+def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:
+    """Live executors that accept new work (not draining), optionally only those serving `model`."""
+    if state is None:
+        return []
+    return [e for e in state.executors
+            if e.alive and not e.telemetry.draining and (model is None or e.telemetry.model == model)]
+
+
+def choose_executor(state: ClusterState | None, exclude: set[str], model: str) -> str | None:
+    """The live, non-draining executor serving `model` with the most free KV pages, then the shortest
+    queue; ties go to the lowest id so that the choice is deterministic. None when there is none."""
+    candidates = [e for e in serving(state, model) if e.executor not in exclude]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda e: (-e.telemetry.kv.pages_free, e.telemetry.waiting, e.executor))
+    return best.executor

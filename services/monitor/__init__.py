@@ -1,0 +1,1 @@
+"""The monitor: turns executor telemetry into the smoothed cluster state (DESIGN.md, "Processes")."""

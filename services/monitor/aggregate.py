@@ -1,0 +1,96 @@
+"""The cluster view: raw executor telemetry in, smoothed per-executor state and liveness out.
+
+Pure on purpose: the caller passes `now` to every call, so the same code runs in the monitor process
+(wall clock), in tests (any times) and in the simulator (simulated time), and nothing here reads a
+clock or touches the bus.
+
+Raw telemetry is noisy at the ~100 ms reporting rate, and the controller's hysteresis compares
+pressure to marks, so KV usage, queueing delay and the waiting count are smoothed with a time-aware
+EWMA: a sample's weight depends on how long ago the previous one came, so the half-life holds in
+seconds whatever the reporting rate, and a late report does not count as several.
+
+Liveness is judged on the monitor's clock (when telemetry arrived), not the executor's `time`
+field, so clock skew between hosts cannot make an executor look dead or alive.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from shared.config import MonitorConfig
+from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry
+
+UP = "up"
+DOWN = "down"
+
+
+def ewma_alpha(dt: float, half_life: float) -> float:
+    """The weight of a new sample that arrives `dt` seconds after the previous one."""
+    if half_life <= 0:
+        return 1.0
+    if dt <= 0:
+        return 0.0
+    return 1.0 - math.pow(2.0, -dt / half_life)
+
+
+def kv_usage(t: ExecutorTelemetry) -> float:
+    """Used over all KV pages (free + used): the pressure signal. No KV pages at all reads as full."""
+    total = t.kv.pages_used + t.kv.pages_free
+    return t.kv.pages_used / total if total > 0 else 1.0
+
+
+@dataclass
+class _Executor:
+    telemetry: ExecutorTelemetry
+    last_seen: float
+    kv_usage: float
+    queue_delay_s: float
+    waiting: float
+    reported: str | None = None  # the last transition handed out: None before the first "up"
+    pending: list[str] = field(default_factory=list)  # transitions seen by observe, not yet handed out
+
+
+class ClusterView:
+    def __init__(self, config: MonitorConfig):
+        self.config = config
+        self._executors: dict[str, _Executor] = {}
+
+    def alive(self, executor: str, now: float) -> bool:
+        e = self._executors.get(executor)
+        return e is not None and now - e.last_seen <= self.config.dead_after_s
+
+    def observe(self, t: ExecutorTelemetry, now: float) -> None:
+        e = self._executors.get(t.executor)
+        if e is None:
+            self._executors[t.executor] = _Executor(t, now, kv_usage(t), t.queue_delay_s, float(t.waiting))
+            return
+        if e.reported == UP and now - e.last_seen > self.config.dead_after_s:
+            # It died and came back between two transitions() calls: the "down" must not be lost,
+            # or the events would claim an executor that restarted had never gone away.
+            e.pending.append(DOWN)
+            e.reported = DOWN
+        a = ewma_alpha(now - e.last_seen, self.config.ewma_half_life_s)
+        e.kv_usage += a * (kv_usage(t) - e.kv_usage)
+        e.queue_delay_s += a * (t.queue_delay_s - e.queue_delay_s)
+        e.waiting += a * (t.waiting - e.waiting)
+        e.telemetry = t
+        e.last_seen = max(e.last_seen, now)
+
+    def state(self, now: float) -> ClusterState:
+        return ClusterState(time=now, executors=[
+            ExecutorState(executor=name, alive=self.alive(name, now), last_seen=e.last_seen,
+                          kv_usage=e.kv_usage, queue_delay_s=e.queue_delay_s, waiting=e.waiting,
+                          telemetry=e.telemetry)
+            for name, e in sorted(self._executors.items())])
+
+    def transitions(self, now: float) -> list[tuple[str, str]]:
+        """(executor, "up"|"down") for each change since the last call; per executor they alternate,
+        starting with "up" when it is first seen alive."""
+        out: list[tuple[str, str]] = []
+        for name, e in sorted(self._executors.items()):
+            out.extend((name, kind) for kind in e.pending)
+            e.pending.clear()
+            current = UP if self.alive(name, now) else DOWN
+            if current != e.reported and not (e.reported is None and current == DOWN):
+                out.append((name, current))
+                e.reported = current
+        return out

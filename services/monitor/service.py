@@ -1,0 +1,131 @@
+"""The monitor process: executor telemetry in, ClusterState and executor up/down events out.
+
+The gateway routes and the controller decides on what this publishes, so it publishes on a fixed
+clock (≥ 4 Hz) rather than on each telemetry message: the state's rate stays bounded however many
+executors report, and a dead executor is noticed even when nothing at all arrives. The judging
+itself lives in aggregate.py (pure); this file only wires it to the bus and the wall clock.
+"""
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from shared import subjects
+from shared.bus import Bus, BusError, Incoming
+from shared.config import MonitorConfig
+from shared.messages import Event, ExecutorTelemetry
+from shared.telemetry import setup_tracing
+
+from services.monitor.aggregate import UP, ClusterView
+
+log = logging.getLogger(__name__)
+
+
+class MonitorService:
+    def __init__(self, config: MonitorConfig):
+        self.config = config
+        self.view = ClusterView(config)
+        self._bus: Bus | None = None
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, bus: Bus) -> None:
+        self._bus = bus
+        self._sub = await bus.subscribe(subjects.TELEMETRY_ALL, ExecutorTelemetry, self._on_telemetry)
+        await bus.flush()
+        self._task = asyncio.create_task(self._publish_loop(), name="monitor-publish")
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # the connection may already be gone; nothing left to undo
+                log.debug("unsubscribe failed: %s", exc)
+            self._sub = None
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _on_telemetry(self, incoming: Incoming) -> None:
+        self.view.observe(incoming.message, time.time())
+
+    async def _publish_loop(self) -> None:
+        interval = self.config.publish_interval_s
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while True:
+            try:
+                await self._publish_once(time.time())
+            except Exception:  # a failed publish (e.g. mid-reconnect) must not stop the clock
+                log.exception("publishing the cluster state failed")
+            # Ticks are scheduled from a fixed origin so that slow publishes do not drift the rate.
+            next_tick += interval
+            delay = next_tick - loop.time()
+            if delay < 0:
+                next_tick = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    async def _publish_once(self, now: float) -> None:
+        assert self._bus is not None
+        for executor, change in self.view.transitions(now):
+            kind = "executor_up" if change == UP else "executor_down"
+            log.info("executor %s is %s", executor, change)
+            await self._bus.publish(subjects.EVENTS, Event(kind=kind, source="monitor", time=now,
+                                                           data={"executor": executor}))
+        await self._bus.publish(subjects.STATE, self.view.state(now))
+
+
+async def _run_until_signalled(config: MonitorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bus = await Bus.connect(config.nats_url, "monitor")
+    service = MonitorService(config)
+    await service.start(bus)
+    log.info("monitor: publishing the cluster state every %.2f s on %s", config.publish_interval_s,
+             config.nats_url)
+    await stop.wait()
+    log.info("monitor: stopping")
+    await service.stop()
+    await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = MonitorConfig()
+    parser = argparse.ArgumentParser(prog="morphling monitor", description=__doc__.splitlines()[0])
+    parser.add_argument("--nats", default=defaults.nats_url, help="NATS server URL")
+    parser.add_argument("--interval", type=float, default=defaults.publish_interval_s,
+                        help="seconds between ClusterState publications (≤ 0.25 for the promised ≥ 4 Hz)")
+    parser.add_argument("--dead-after", type=float, default=defaults.dead_after_s,
+                        help="seconds without telemetry before an executor is dead")
+    parser.add_argument("--half-life", type=float, default=defaults.ewma_half_life_s,
+                        help="EWMA half-life in seconds of KV usage, queueing delay and waiting")
+    args = parser.parse_args(argv)
+    if args.interval <= 0 or args.dead_after <= 0:
+        parser.error("--interval and --dead-after must be positive")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.interval > 0.25:
+        log.warning("--interval %.2f s publishes below the 4 Hz the gateway and controller expect",
+                    args.interval)
+    setup_tracing("monitor")
+    config = MonitorConfig(nats_url=args.nats, publish_interval_s=args.interval,
+                           dead_after_s=args.dead_after, ewma_half_life_s=args.half_life)
+    try:
+        asyncio.run(_run_until_signalled(config))
+    except BusError as exc:
+        log.error("monitor: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,299 @@
+"""The gateway over real HTTP against a real nats-server, with no executor process.
+
+The test plays the monitor (publishing hand-made ClusterState) and, where a case needs one, a
+hand-written responder on infer.<exec> that admits or refuses and publishes token batches: that
+isolates the gateway's own behaviour; the whole system is tested elsewhere.
+"""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from services.gateway.app import create_app
+from shared import subjects
+from shared.bus import Bus
+from shared.config import GatewayConfig
+from shared.messages import (Admission, Cancel, ClusterState, ErrorInfo, ExecutorState, ExecutorTelemetry,
+                             GenerateRequest, KvPages, TokenBatch, TokenDelta)
+from tests.nats_server import free_port
+
+MODEL = "tiny-model"
+
+
+def executor_state(name: str, alive: bool = True, free: int = 50) -> ExecutorState:
+    kv = KvPages(pages_total=100, pages_slot=40, pages_free=free, pages_used=60 - free, pages_base=50,
+                 pages_extension=10)
+    t = ExecutorTelemetry(executor=name, time=time.time(), model=MODEL, max_model_len=2048, block_size=16,
+                          page_bytes=4096, kv=kv, layers=[16, 16, 8, 4], running=1, waiting=2, max_waiting=8,
+                          preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0,
+                          tpot_s=0.0)
+    return ExecutorState(executor=name, alive=alive, last_seen=time.time(), kv_usage=0.4, queue_delay_s=0.0,
+                         waiting=2.0, telemetry=t)
+
+
+class Peers:
+    """A Bus on its own event loop thread, so synchronous tests can play monitor and executor."""
+
+    def __init__(self, url: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.bus: Bus = self.run(Bus.connect(url, "test"))
+        self.cancels: list[str] = []
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def state(self, *executors: ExecutorState) -> None:
+        self.run(self.bus.publish(subjects.STATE, ClusterState(time=time.time(), executors=list(executors))))
+
+    def responder(self, executor: str, admit, tokens: list[str] | None = None, finish: bool = True) -> None:
+        """Answer infer.<executor> with `admit(request) -> Admission`; if admitted and `tokens` is given,
+        stream them as one delta each, the last one finished with reason stop (unless not `finish`)."""
+        async def on_infer(incoming):
+            req: GenerateRequest = incoming.message
+            admission = admit(req)
+            await incoming.reply(admission)
+            if not admission.accepted or tokens is None:
+                return
+            for i, text in enumerate(tokens):
+                last = finish and i == len(tokens) - 1
+                delta = TokenDelta(request_id=req.request_id, index=0, token_ids=[100 + i], text=text,
+                                   timestamps=[time.time()], finished=last, finish_reason="stop" if last else None,
+                                   prompt_tokens=3, output_tokens=i + 1)
+                await self.bus.publish(subjects.tokens(req.gateway), TokenBatch(executor=executor, deltas=[delta]))
+                await asyncio.sleep(0.01)
+
+        async def on_cancel(incoming):
+            self.cancels.append(incoming.message.request_id)
+
+        async def subscribe():
+            await self.bus.subscribe(subjects.infer(executor), GenerateRequest, on_infer)
+            await self.bus.subscribe(subjects.cancel(executor), Cancel, on_cancel)
+            await self.bus.flush()
+
+        self.run(subscribe())
+
+    def close(self) -> None:
+        self.run(self.bus.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def test_bus(nats_server):
+    tb = Peers(nats_server.url)
+    yield tb
+    tb.close()
+
+
+@pytest.fixture
+def start_gateway(nats_server):
+    servers = []
+
+    def start(**overrides) -> str:
+        port = free_port()
+        config = GatewayConfig(nats_url=nats_server.url, host="127.0.0.1", port=port, gateway_id=f"gw{len(servers)}",
+                               admission_timeout_s=1.0)
+        config = GatewayConfig(**(config.__dict__ | overrides))
+        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.time() + 20
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "gateway did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.time() + 10
+    while httpx.get(f"{base}/ready").status_code != 200:
+        assert time.time() < deadline, "gateway never became ready"
+        time.sleep(0.02)
+
+
+def assert_error(response: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and body["error"]["code"] == code
+    return body["error"]
+
+
+def test_health_ready_models_cluster_metrics(start_gateway, test_bus):
+    base = start_gateway()
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert_error(httpx.get(f"{base}/ready"), 503, code="no_executor")
+    assert httpx.get(f"{base}/v1/models").json() == {"object": "list", "data": []}
+    test_bus.state(executor_state("e0"), executor_state("e1", alive=False))
+    wait_ready(base)
+    models = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048
+    cluster = httpx.get(f"{base}/v1/cluster").json()["executors"]
+    assert [(e["id"], e["alive"]) for e in cluster] == [("e0", True), ("e1", False)]
+    assert cluster[0]["kv"] == {"pages_total": 100, "pages_free": 50, "pages_base": 50, "pages_extension": 10}
+    assert cluster[0]["layers"] == [16, 16, 8, 4] and (cluster[0]["running"], cluster[0]["waiting"]) == (1, 2)
+    text = httpx.get(f"{base}/metrics").text
+    for name in ("morphling_time_to_first_token_seconds", "morphling_inter_token_latency_seconds",
+                 "morphling_e2e_request_latency_seconds", "morphling_request_queue_time_seconds",
+                 "morphling_requests_running", "morphling_requests_waiting", "morphling_kv_cache_usage_ratio",
+                 "morphling_requests_rejected_total", "morphling_requests_total"):
+        assert name in text
+    assert "morphling_requests_waiting 2.0" in text
+
+
+def test_bad_requests_get_400_with_openai_shape(start_gateway, test_bus):
+    base = start_gateway()
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    cmpl, chat = f"{base}/v1/completions", f"{base}/v1/chat/completions"
+    ok = {"model": MODEL, "prompt": "hi"}
+    msgs = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert_error(httpx.post(cmpl, json=ok | {"temperature": 2.5}), 400, "temperature")
+    assert_error(httpx.post(cmpl, json=ok | {"n": 0}), 400, "n")
+    err = assert_error(httpx.post(chat, json=msgs | {"wat": 1}), 400, "wat")
+    assert err["message"] == "Unrecognized request argument supplied: wat" and err["type"] == "invalid_request_error"
+    assert_error(httpx.post(cmpl, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
+    assert_error(httpx.post(cmpl, json=ok | {"logit_bias": {"5": 1.0}}), 400, "logit_bias")
+    assert_error(httpx.post(cmpl, json=ok | {"prompt": ["a", "b"]}), 400, "prompt")
+    assert_error(httpx.post(chat, json={"model": MODEL}), 400, "messages")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_unknown_model_404_and_nobody_alive_503(start_gateway, test_bus):
+    base = start_gateway()
+    body = {"model": MODEL, "prompt": "hi"}
+    assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, code="no_executor")
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    assert_error(httpx.post(f"{base}/v1/completions", json=body | {"model": "nope"}), 404, "model", "model_not_found")
+    # Alive in the state, but nobody answers on infer.e0: the executor is gone.
+    assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, code="no_executor")
+
+
+def test_auth_and_body_limit(start_gateway, test_bus):
+    base = start_gateway(api_keys=("k1",), admin_keys=("root",), max_body_bytes=2000)
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    assert_error(httpx.get(f"{base}/v1/models"), 401, code="invalid_api_key")
+    assert_error(httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k2"}), 401, code="invalid_api_key")
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert_error(httpx.get(f"{base}/v1/cluster", headers={"Authorization": "Bearer k1"}), 401, code="invalid_api_key")
+    assert httpx.get(f"{base}/v1/cluster", headers={"Authorization": "Bearer root"}).status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="bad", max_retries=0).models.list()
+    auth = {"Authorization": "Bearer k1"}
+    big = {"model": MODEL, "prompt": "x" * 5000}
+    assert_error(httpx.post(f"{base}/v1/completions", json=big, headers=auth), 413, code="request_too_large")
+
+    def chunked():  # no Content-Length: the streamed size must be checked too
+        yield b'{"model": "tiny-model", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 500
+        yield b'"}'
+
+    assert_error(httpx.post(f"{base}/v1/completions", content=chunked(), headers=auth), 413, code="request_too_large")
+
+
+def test_all_queues_full_gives_429_with_retry_after(start_gateway, test_bus):
+    base = start_gateway(retry_after_s=7)
+    for name in ("e0", "e1"):
+        test_bus.responder(name, lambda req, name=name: Admission(
+            request_id=req.request_id, executor=name, accepted=False,
+            error=ErrorInfo(message="waiting queue is full (8/8 requests)", type="queue_full")))
+    test_bus.state(executor_state("e0"), executor_state("e1", free=10))
+    wait_ready(base)
+    r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert_error(r, 429, code="queue_full")
+    assert r.headers["retry-after"] == "7"
+    assert 'morphling_requests_rejected_total{reason="queue_full"} 1.0' in httpx.get(f"{base}/metrics").text
+
+
+def test_completion_and_stream_through_a_test_responder(start_gateway, test_bus):
+    base = start_gateway()
+    test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
+                                                   prompt_tokens=3), tokens=["Hel", "lo", "!"])
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    assert out.choices[0].text == "Hello!" and out.choices[0].finish_reason == "stop"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 3, 6)
+    assert out.id.startswith("cmpl-")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert chunks[0].id.startswith("chatcmpl-")
+
+
+def test_redispatch_when_the_executor_dies_before_the_first_token(start_gateway, test_bus):
+    base = start_gateway()
+    seen = []
+
+    def silent(req):  # admits, then never produces a token: it is about to die
+        seen.append(req.request_id)
+        return Admission(request_id=req.request_id, executor="e0", accepted=True, prompt_tokens=3)
+
+    test_bus.responder("e0", silent)
+    test_bus.responder("e1", lambda req: Admission(request_id=req.request_id, executor="e1", accepted=True,
+                                                   prompt_tokens=3), tokens=["ok"])
+    test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "out", client.completions.create(model=MODEL, prompt="hi", max_tokens=2)))
+    worker.start()
+    deadline = time.time() + 5
+    while not seen:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    test_bus.state(executor_state("e0", alive=False), executor_state("e1", free=10))
+    worker.join(10)
+    assert result["out"].choices[0].text == "ok"
+
+
+def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_gateway, test_bus):
+    base = start_gateway()
+    test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
+                                                   prompt_tokens=3), tokens=["a", "b"], finish=False)
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    body = {"model": MODEL, "prompt": "hi", "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        test_bus.state(executor_state("e0", alive=False))
+        events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]" and '"code":"executor_lost"' in events[-2]
+
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    cancels_before = len(test_bus.cancels)
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        next(r.iter_lines())  # a token arrived; now the client walks away mid-stream
+    deadline = time.time() + 5
+    while len(test_bus.cancels) == cancels_before:
+        assert time.time() < deadline, "no Cancel was published after the client disconnected"
+        time.sleep(0.02)

@@ -1,0 +1,195 @@
+"""The monitor and the controller's command machinery against a real nats-server.
+
+Executors are played by the test: a Bus that publishes telemetry, and a responder on cmd.<x> that
+records commands. The lead's test against a real executor lives elsewhere.
+"""
+
+import asyncio
+import time
+
+from services.controller.loop import CommandSender, Controller, PlannedCommand
+from services.monitor.aggregate import ClusterView
+from services.monitor.service import MonitorService
+from shared import subjects
+from shared.bus import Bus
+from shared.config import ControllerConfig, MonitorConfig
+from shared.messages import ClusterState, Command, CommandResult, Event
+from tests.unit.test_monitor_aggregate import telemetry
+
+
+async def _collect(bus: Bus, subject: str, model) -> list[tuple[float, object]]:
+    got: list[tuple[float, object]] = []
+
+    async def on_message(incoming):
+        got.append((time.monotonic(), incoming.message))
+
+    await bus.subscribe(subject, model, on_message)
+    return got
+
+
+async def _until(predicate, timeout: float) -> float:
+    """Seconds it took for `predicate()` to hold; fails the test after `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _alive(states, executor: str) -> bool | None:
+    if not states:
+        return None
+    for e in states[-1][1].executors:
+        if e.executor == executor:
+            return e.alive
+    return None
+
+
+def _events(events, kind: str, executor: str) -> int:
+    return sum(1 for _, e in events if e.kind == kind and e.data.get("executor") == executor)
+
+
+def test_monitor_publishes_state_and_executor_up_down(nats_server):
+    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.2, dead_after_s=0.5,
+                           ewma_half_life_s=0.5)
+
+    async def scenario():
+        bus = await Bus.connect(nats_server.url, "monitor")
+        probe = await Bus.connect(nats_server.url, "probe")
+        states = await _collect(probe, subjects.STATE, ClusterState)
+        events = await _collect(probe, subjects.EVENTS, Event)
+        await probe.flush()
+        monitor = MonitorService(config)
+        await monitor.start(bus)
+        reporting = {"e0": True, "e1": True}
+
+        async def executors():
+            while True:
+                for name, on in reporting.items():
+                    if on:
+                        await probe.publish(subjects.telemetry(name), telemetry(name, time.time(), used=20))
+                await asyncio.sleep(0.05)
+
+        feeder = asyncio.create_task(executors())
+        try:
+            await _until(lambda: _alive(states, "e0") and _alive(states, "e1"), timeout=3)
+            window_start = time.monotonic()
+            await asyncio.sleep(1.0)
+            rate = sum(1 for t, _ in states if t >= window_start)
+            assert rate >= 4, f"{rate} ClusterState messages in 1 s"
+            assert all(e.alive for e in states[-1][1].executors)
+            assert _events(events, "executor_up", "e0") == 1 and _events(events, "executor_up", "e1") == 1
+
+            reporting["e1"] = False
+            took = await _until(lambda: _alive(states, "e1") is False, timeout=3)
+            # dead_after, plus at most one publish interval, plus slack for a busy 2-core machine.
+            assert took <= config.dead_after_s + config.publish_interval_s + 0.5
+            assert _alive(states, "e0")
+            await _until(lambda: _events(events, "executor_down", "e1") == 1, timeout=1)
+            assert _events(events, "executor_down", "e0") == 0
+
+            reporting["e1"] = True
+            await _until(lambda: _alive(states, "e1"), timeout=2)
+            await _until(lambda: _events(events, "executor_up", "e1") == 2, timeout=1)
+            down = [e for _, e in events if e.kind == "executor_down"][0]
+            assert down.source == "monitor" and down.data == {"executor": "e1"}
+        finally:
+            feeder.cancel()
+            await monitor.stop()
+            await bus.close()
+            await probe.close()
+
+    asyncio.run(scenario())
+
+
+async def _responder(bus: Bus, executor: str, drop_first: int = 0, delay: float = 0.0):
+    """A stand-in executor: records each Command and answers it, after `delay`, except the first
+    `drop_first`; concurrency[0] is the most commands it ever had in hand at once."""
+    received: list[Command] = []
+    concurrency = [0, 0]  # [max, now]
+
+    async def answer(incoming):
+        cmd = incoming.message
+        concurrency[1] += 1
+        concurrency[0] = max(concurrency)
+        await asyncio.sleep(delay)
+        concurrency[1] -= 1
+        await incoming.reply(CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=executor,
+                                           kind=cmd.kind, ok=True, state={"n": len(received)}))
+
+    async def on_command(incoming):
+        received.append(incoming.message)
+        if len(received) > drop_first:
+            # Answered from a task, so that overlapping commands would show up in `concurrency`.
+            asyncio.get_running_loop().create_task(answer(incoming))
+
+    await bus.subscribe(subjects.command(executor), Command, on_command)
+    await bus.flush()
+    return received, concurrency
+
+
+def test_command_sender_retries_with_the_same_seq_and_audits(nats_server):
+    async def scenario():
+        ctl = await Bus.connect(nats_server.url, "ctl")
+        side = await Bus.connect(nats_server.url, "executor")
+        events = await _collect(side, subjects.EVENTS, Event)
+        received, _ = await _responder(side, "x", drop_first=1)
+        sender = CommandSender(ctl, "ctl-test", timeout_s=0.3, retries=2)
+
+        result = await sender.send("x", "quantize", {"layers": [0, 1], "bits": 8})
+        assert result.ok and result.executor == "x" and result.issuer == "ctl-test"
+        assert [c.seq for c in received] == [result.seq, result.seq]  # the retry reused the seq
+        assert received[1].args == {"layers": [0, 1], "bits": 8}
+        again = await sender.send("x", "ping")
+        assert again.ok and again.seq > result.seq
+
+        failed = await sender.send("nobody", "ping")
+        assert not failed.ok and "no responders" in failed.error
+
+        await _until(lambda: len(events) == 3, timeout=2)
+        first, second, third = (e for _, e in events)
+        assert first.kind == "command" and first.source == "ctl-test"
+        assert first.data["ok"] and first.data["attempts"] == 2 and first.data["seq"] == result.seq
+        assert first.data["executor"] == "x" and first.data["kind"] == "quantize"
+        assert first.data["latency_s"] >= 0.3  # one timed-out attempt
+        assert second.data["attempts"] == 1
+        assert not third.data["ok"] and third.data["attempts"] == 3 and third.data["error"] == failed.error
+        # A restarted controller starts above the seqs its predecessor used.
+        assert CommandSender(ctl, "ctl-test", 0.3, 2).next_seq() > again.seq
+        await ctl.close()
+        await side.close()
+
+    asyncio.run(scenario())
+
+
+def test_controller_runs_policies_one_command_at_a_time_per_executor(nats_server):
+    config = ControllerConfig(nats_url=nats_server.url, controller_id="ctl-loop", command_timeout_s=2.0)
+    seen_history: list[int] = []
+
+    def ping_everyone(state, history, cfg):
+        seen_history.append(len(history))
+        return [PlannedCommand(e.executor, "ping") for e in state.executors]
+
+    async def scenario():
+        ctl_bus = await Bus.connect(nats_server.url, "ctl")
+        side = await Bus.connect(nats_server.url, "executor")
+        received, concurrency = await _responder(side, "x", delay=0.3)
+        controller = Controller(config, [ping_everyone])
+        await controller.start(ctl_bus)
+        view = ClusterView(MonitorConfig())
+        view.observe(telemetry("x", time.time()), time.time())
+        for _ in range(8):  # 8 states in 0.4 s while each command takes 0.3 s
+            await side.publish(subjects.STATE, view.state(time.time()))
+            await asyncio.sleep(0.05)
+        await _until(lambda: len(seen_history) >= 2, timeout=2)
+        await controller.wait_idle()
+        assert concurrency[0] == 1  # never two commands in hand for one executor
+        assert 1 <= len(received) < 8  # plans for a busy executor were dropped, not queued
+        assert all(r.ok for r in controller.results)
+        assert seen_history == sorted(seen_history) and seen_history[0] == 0
+        assert controller.latest is not None and controller.latest.executors[0].executor == "x"
+        await controller.stop()
+        await ctl_bus.close()
+        await side.close()
+
+    asyncio.run(scenario())

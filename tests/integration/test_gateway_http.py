@@ -297,3 +297,12 @@ def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_
     while len(test_bus.cancels) == cancels_before:
         assert time.time() < deadline, "no Cancel was published after the client disconnected"
         time.sleep(0.02)
+
+
+
+def test_admin_routes_refuse_api_keys_when_no_admin_key_is_set(start_gateway, test_bus):
+    base = start_gateway(api_keys=("k1",))
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert_error(httpx.get(f"{base}/v1/cluster", headers={"Authorization": "Bearer k1"}), 401, code="invalid_api_key")

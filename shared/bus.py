@@ -98,18 +98,16 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("bus %s: reconnected to %s", name, url)
 
-        deadline = asyncio.get_running_loop().time() + first_attempt_timeout
-        while True:
-            try:
-                nc = await nats.connect(servers=[url], name=name, max_reconnect_attempts=-1,
-                                        reconnect_time_wait=0.25, connect_timeout=2, ping_interval=5,
-                                        max_outstanding_pings=2, error_cb=on_error,
-                                        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
-                return cls(nc, name)
-            except (NoServersError, OSError, asyncio.TimeoutError) as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise BusError(url, f"cannot connect: {exc}") from exc
-                await asyncio.sleep(0.25)
+        # With unlimited reconnects nats-py also retries the first connection forever: bound it here.
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(servers=[url], name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                             connect_timeout=2, ping_interval=5, max_outstanding_pings=2, error_cb=on_error,
+                             disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
+                timeout=first_attempt_timeout)
+        except (NoServersError, OSError, asyncio.TimeoutError) as exc:
+            raise BusError(url, f"cannot connect within {first_attempt_timeout:.0f} s: {exc!r}") from exc
+        return cls(nc, name)
 
     @property
     def connected(self) -> bool:

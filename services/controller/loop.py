@@ -170,8 +170,12 @@ class Controller:
             await self._wake.wait()
             self._wake.clear()
             state, self._pending = self._pending, None
-            if state is not None:
+            if state is None:
+                continue
+            try:
                 self.dispatch(self.plan(state))
+            except Exception:  # planning must survive one bad state, or the controller goes quiet
+                log.exception("planning on the state of %.3f failed", state.time)
 
     def dispatch(self, planned: list[PlannedCommand]) -> None:
         """Start sending `planned`, in order per executor; executors already busy are skipped."""

@@ -25,7 +25,15 @@ async def _run_until_signalled(config: ControllerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(config.nats_url, config.controller_id)
+    # Connecting can take long (the server may not be up yet): a signal must end that wait too.
+    stopping = asyncio.create_task(stop.wait())
+    connecting = asyncio.create_task(Bus.connect(config.nats_url, config.controller_id))
+    await asyncio.wait({stopping, connecting}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        log.info("controller: stopped before the bus connected")
+        return
+    bus = connecting.result()
     controller = Controller(config, policies=[])
     await controller.start(bus)
     log.info("controller %s: following the cluster state on %s (no policies configured)",

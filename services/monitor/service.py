@@ -88,7 +88,15 @@ async def _run_until_signalled(config: MonitorConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(config.nats_url, "monitor")
+    # Connecting can take long (the server may not be up yet): a signal must end that wait too.
+    stopping = asyncio.create_task(stop.wait())
+    connecting = asyncio.create_task(Bus.connect(config.nats_url, "monitor"))
+    await asyncio.wait({stopping, connecting}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        log.info("monitor: stopped before the bus connected")
+        return
+    bus = connecting.result()
     service = MonitorService(config)
     await service.start(bus)
     log.info("monitor: publishing the cluster state every %.2f s on %s", config.publish_interval_s,

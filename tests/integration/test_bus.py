@@ -72,3 +72,15 @@ def test_clients_reconnect_after_a_server_restart(nats_server):
 def test_encode_is_messagepack_with_the_schema_version():
     body = msgpack.unpackb(encode(Cancel(request_id="x")))
     assert body == {"v": 1, "request_id": "x"}
+
+
+def test_connecting_to_nobody_fails_in_bounded_time():
+    from tests.nats_server import free_port
+
+    async def scenario():
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BusError, match="cannot connect"):
+            await Bus.connect(f"nats://127.0.0.1:{free_port()}", "lonely", first_attempt_timeout=1.0)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(scenario()) < 5

@@ -36,7 +36,7 @@ async def read_json(gw, request: Request):
             raise too_large(gw)
     try:
         return json.loads(body)
-    except ValueError as exc:  # also covers invalid UTF-8
+    except (ValueError, RecursionError) as exc:  # also covers invalid UTF-8 and too deep nesting
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error") from exc
 
 

@@ -10,7 +10,8 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+import msgpack
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from services.executor.engine.errors import InvalidRequestError
 from services.executor.engine.sampling_params import SamplingParams
@@ -122,7 +123,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = 16  # OpenAI's legacy default for completions
     logprobs: int | None = None
     echo: bool = False
@@ -154,6 +155,10 @@ class CompletionRequest(_Common):
         return self._sampling(self.max_tokens, self.logprobs)
 
 
+# Passed to the chat template by the executor itself: a kwarg of the same name would collide with them.
+_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt"}
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -166,6 +171,8 @@ class ChatCompletionRequest(_Common):
         self._check_common()
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
+        if reserved := sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS):
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         if self.response_format is not None and self.response_format != {"type": "text"}:
             raise bad_request('only response_format {"type": "text"} is supported', "response_format")
         if self.top_logprobs is not None:
@@ -191,6 +198,8 @@ def parse_request(body: Any, model: type[CompletionRequest] | type[ChatCompletio
     for name in body:
         if name not in model.model_fields:
             raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+    for name, value in body.items():
+        _check_wire_safe(name, value)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -200,6 +209,20 @@ def parse_request(body: Any, model: type[CompletionRequest] | type[ChatCompletio
             raise bad_request(f"Missing required parameter: '{loc[0]}'", loc[0]) from exc
         where = ".".join(loc)
         raise bad_request(f"Invalid value for '{where}': {err['msg']}", loc[0] if loc else None) from exc
+
+
+def _check_wire_safe(name: str, value: Any) -> None:
+    """The request travels to the executor as MessagePack, which cannot carry every JSON value:
+    refuse those here as a 400 rather than failing to send them (a 500)."""
+    try:
+        msgpack.packb({name: value}, use_bin_type=True)
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"Invalid value for '{name}': strings must be valid Unicode (no lone surrogates)",
+                          name) from exc
+    except OverflowError as exc:
+        raise bad_request(f"Invalid value for '{name}': integers must be in [-2**63, 2**64 - 1]", name) from exc
+    except ValueError as exc:  # msgpack's nesting limit
+        raise bad_request(f"Invalid value for '{name}': {exc}", name) from exc
 
 
 # --- responses ------------------------------------------------------------------------------------

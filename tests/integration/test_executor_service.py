@@ -47,7 +47,7 @@ def smol():
 def tiny(tmp_path_factory):
     path = write_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model")
     return LLMEngine(EngineConfig(model=str(path), memory_budget=4 << 20, block_size=8, max_model_len=256,
-                                  max_num_seqs=1, max_waiting=2), progress=False)
+                                  max_num_seqs=2, max_waiting=2), progress=False)
 
 
 @pytest.fixture(scope="module")

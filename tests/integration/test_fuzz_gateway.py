@@ -7,8 +7,8 @@ sends them over real HTTP to a real gateway, nats-server, monitor, controller an
 the input, the gateway must never answer 5xx or crash: bad input is a 400 (or 404 for an unknown
 model) with OpenAI's error JSON, good input is served to completion.
 
-It stays bounded in time: the executor gets a 96-token context (so any prompt plus max_tokens over
-that is a 400 and a served request stops within ~96 tokens), each operation gets a few dozen
+It stays bounded in time: the executor gets a 64-token context (so any prompt plus max_tokens over
+that is a 400 and a served request stops within ~64 tokens), each operation gets a few dozen
 examples, shrinking and the example database are off, and every request has a timeout.
 
 Streaming: `stream: true` bodies are sent as generated. Schemathesis' requests transport reads a
@@ -31,16 +31,17 @@ from shared.config import GatewayConfig
 from tests.system import System
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 96
-REQUEST_TIMEOUT_S = 60  # a served request is at most ~96 tokens x n; a hang fails instead of blocking
-EXAMPLES_PER_OPERATION = 30
+MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 8
+REQUEST_TIMEOUT_S = 60  # a served request is at most 64 tokens x n; a hang fails instead of blocking
+EXAMPLES_PER_OPERATION = 25
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     sys_ = System(tmp_path_factory.mktemp("fuzz"), executors=1,
-                  executor_args=("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                  executor_args=("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
                                  "--max-waiting", "64")).start()
     yield sys_
     sys_.stop()
@@ -61,7 +62,8 @@ schema = schemathesis.openapi.from_dict(published_schema(), config=schemathesis.
 def aim_at_served_model(case) -> None:
     """A generated `model` string is practically never the served model, which would make every body a
     404 before it reaches sampling validation or the executor: half of the string models are replaced
-    with the real one (chosen from the generated value, so hypothesis stays in control)."""
+    with the real one (chosen from the generated value, so hypothesis stays in control). An n above the
+    executor's max-num-seqs must come back as a 400 (its n sequences could never run together)."""
     body = case.body
     if case.path in GENERATION_PATHS and isinstance(body, dict) and isinstance(body.get("model"), str):
         if len(body["model"]) % 2 == 0:
@@ -116,7 +118,32 @@ def test_no_server_error_for_any_generated_request(case, system):
     response = case.call(base_url=system.url, timeout=REQUEST_TIMEOUT_S)
     # The essential check: whatever was sent, no 5xx.
     case.validate_response(response, checks=[not_a_server_error])
-    check_response(case, response); open("/tmp/fz/hist","a").write(f"{case.method} {case.path} {response.status_code} {response.elapsed:.2f} {json.dumps(case.body)[:150] if case.path in GENERATION_PATHS else ''}\n")
+    check_response(case, response)
+
+
+LONE_SURROGATE = '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL
+
+
+# Bodies the fuzzing found answered with 5xx (500 or 503) before the gateway refused them itself.
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", LONE_SURROGATE, "messages"),  # not UTF-8 encodable for the bus: was a 500
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**30}, "max_tokens"),  # msgpack overflow
+    ("/v1/completions", {"model": MODEL, "prompt": [2**64]}, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"x": [[[[[-2**63 - 1]]]]]}}, "chat_template_kwargs"),
+    # the executor renders the template with these itself: a duplicate argument was a 503
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("/v1/completions", "[" * 100_000 + "]" * 100_000, None),  # json.loads' RecursionError was a 500
+])
+def test_found_by_fuzzing_now_400(system, path, body, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{system.url}{path}", content=content, headers={"content-type": "application/json"},
+                   timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["param"] == param
 
 
 def test_fuzzed_schema_is_the_served_one(system):

@@ -255,8 +255,9 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             assert ping.state == {"running": 0, "waiting": 0, "draining": False}
             audit = await log.audit_of(ping.seq)
             assert audit.source == "ctl-test"
-            assert audit.data | {"latency_s": 0} == {"executor": "exec-cmd", "kind": "ping", "seq": ping.seq, "args": {},
-                                                     "ok": True, "error": None, "attempts": 1, "latency_s": 0}
+            assert audit.data | {"latency_s": 0} == {"executor": "exec-cmd", "kind": "ping", "seq": ping.seq,
+                                                     "args": {}, "ok": True, "error": None, "attempts": 1,
+                                                     "latency_s": 0}
             assert 0 < audit.data["latency_s"] < 1.0
 
             quant = await sender.send("exec-cmd", "quantize", {"layer": 0, "bits": 8})

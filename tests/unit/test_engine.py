@@ -169,6 +169,9 @@ def test_full_queue_and_invalid_requests_are_refused_without_side_effects(tiny_d
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("f", [5], SamplingParams(temperature=-1))
     assert err.value.param == "temperature"
+    with pytest.raises(InvalidRequestError) as err:  # n sequences start together: more than fit would never run
+        engine.add_request("g", [5], SamplingParams(n=engine.config.max_num_seqs + 1))
+    assert err.value.param == "n"
     with pytest.raises(InvalidRequestError):
         engine.add_request("a", [5], GREEDY)
     assert engine.stats().waiting == 2

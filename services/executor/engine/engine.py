@@ -84,6 +84,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
         params.validate(self.model_config.vocab_size)
+        if params.n > self.config.max_num_seqs:  # its n sequences start together, so it could never run
+            raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} (the sequences this engine "
+                                      f"runs at once), got {params.n}", param="n")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("prompt must contain at least one token", param="prompt")

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("services.controller.service", "morphs executors under load, cheapest lever first"),
     "bench-engine": ("services.executor.engine.bench",
                      "offline generation throughput: our engine vs transformers.generate"),
+    "profile": ("services.executor.engine.profile", "rank decoder layers by importance (LIS) into a swap order"),
+    "eval": ("services.executor.engine.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
 }
 
 

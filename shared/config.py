@@ -86,3 +86,7 @@ class ControllerConfig:
     controller_id: str = "ctl0"
     command_timeout_s: float = 2.0
     command_retries: int = 2
+    # The MorphServe policy (services/controller/policies/morph.py): a mode preset, scaled to each
+    # executor's depth, then any MorphSettings field overridden by name, e.g. (("kv_high", 0.85),).
+    morph_mode: str = "default"  # off | accuracy | default | performance
+    morph_overrides: tuple[tuple[str, object], ...] = ()

@@ -29,7 +29,31 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
 # No quantization yet: every layer serves at the width of the engine's dtype.
-DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def morph(engine, cmd: Command) -> dict:
+    """Apply a quantize or restore command in the engine thread; returns what changed.
+
+    `layers` is a list of indices, or a count: quantize takes the next full-precision layers front to
+    back (a layer-importance order arrives with profiling), restore the last quantized ones first.
+    """
+    layers, bits = cmd.args.get("layers"), cmd.args.get("bits")
+    current = engine.model.layer_bits
+    full = engine.model.full_bits
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if cmd.kind == "quantize":
+            candidates = [i for i, b in enumerate(current) if b > int(bits)]
+        else:
+            candidates = [i for i, b in enumerate(current) if b < full][::-1]
+        if layers < 1 or layers > len(candidates):
+            raise ValueError(f"layers must be between 1 and {len(candidates)} here, got {layers}")
+        layers = candidates[:layers]
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise ValueError("layers must be a count or a list of layer indices")
+    report = engine.swapper.set_bits(layers, full if cmd.kind == "restore" else int(bits))
+    return {"changed": report.layers, "bits": report.bits, "pages_released": report.pages_released,
+            "pages_reclaimed": report.pages_reclaimed, "blocks_relocated": report.blocks_relocated,
+            "seconds": report.seconds}
 
 
 def served_model_name(model: str) -> str:
@@ -110,14 +134,14 @@ class ExecutorService:
         key = (cmd.issuer, cmd.seq)
         result = self._commands.get(key)
         if result is None:
-            result = self._run_command(cmd)
+            result = await self._run_command(cmd)
             self._commands[key] = result
             while len(self._commands) > COMMAND_MEMORY:
                 self._commands.popitem(last=False)
         if incoming.can_reply:
             await incoming.reply(result)
 
-    def _run_command(self, cmd: Command) -> CommandResult:
+    async def _run_command(self, cmd: Command) -> CommandResult:
         result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
         snap = self.worker.snapshot
         if cmd.kind == "ping":
@@ -125,6 +149,12 @@ class ExecutorService:
         elif cmd.kind == "drain":
             self.worker.draining = True
             result.state = {"in_flight": snap.in_flight}
+        elif cmd.kind in ("quantize", "restore"):
+            try:
+                report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, cmd)))
+                result.state = {"layers": list(self.engine.model.layer_bits), **report}
+            except (EngineError, ValueError, TypeError, KeyError) as exc:  # SwapError among them
+                result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         else:
             result.ok = False
             result.error = f"command {cmd.kind!r} is not supported by this executor yet"
@@ -163,7 +193,7 @@ class ExecutorService:
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
                        pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
-            layers=[DTYPE_BITS.get(engine.config.resolved_dtype(), 16)] * engine.model_config.num_layers,
+            layers=list(engine.model.layer_bits),
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),

@@ -12,6 +12,7 @@ indices are filled in here.
 """
 
 import logging
+import concurrent.futures
 import queue
 import threading
 import time
@@ -80,6 +81,19 @@ class EngineWorker:
 
     def abort_all(self) -> None:
         self._ops.put(self._abort_all)
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` in the engine thread between two steps (where swapping layers is safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # handed to the caller, who turns it into a rejected command
+                future.set_exception(exc)
+
+        self._ops.put(run)
+        return future
 
     # --- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -92,9 +92,9 @@ class Gateway:
             await asyncio.sleep(0.02)
         return self.deltas[request_id]
 
-    async def command(self, seq: int, kind: str, issuer: str = "ctl-t") -> CommandResult:
-        return await self.bus.request(subjects.command(EXEC), Command(seq=seq, issuer=issuer, kind=kind),
-                                      CommandResult, timeout=5)
+    async def command(self, seq: int, kind: str, issuer: str = "ctl-t", args: dict | None = None) -> CommandResult:
+        return await self.bus.request(subjects.command(EXEC), Command(seq=seq, issuer=issuer, kind=kind,
+                                                                      args=args or {}), CommandResult, timeout=5)
 
     async def telemetry_where(self, check, timeout: float = 5.0) -> ExecutorTelemetry:
         deadline = time.monotonic() + timeout
@@ -231,8 +231,16 @@ def test_commands_ping_drain_idempotence_and_unsupported_kinds(nats_server, tiny
             ping = await gw.command(1, "ping")
             assert ping.ok and ping.executor == EXEC and ping.state == {"running": 0, "waiting": 0,
                                                                         "draining": False}
-            quant = await gw.command(2, "quantize")
-            assert not quant.ok and "quantize" in quant.error and "not supported" in quant.error
+            other = await gw.command(2, "replicate")
+            assert not other.ok and "replicate" in other.error and "not supported" in other.error
+            bad = await gw.command(4, "quantize", args={"layers": 99, "bits": 8})
+            assert not bad.ok and "quantize refused" in bad.error
+            quant = await gw.command(5, "quantize", args={"layers": 2, "bits": 8})
+            assert quant.ok and quant.state["layers"][:2] == [8, 8] and quant.state["pages_released"] > 0
+            await gw.telemetry_where(lambda t: t.layers[:2] == [8, 8]
+                                     and t.kv.pages_extension == quant.state["pages_released"])
+            back = await gw.command(6, "restore", args={"layers": 2})
+            assert back.ok and set(back.state["layers"]) == {32} and back.state["pages_reclaimed"] > 0
             drain = await gw.command(3, "drain")
             assert drain.ok and drain.state == {"in_flight": 0}
             again = await gw.command(1, "ping")  # answered from the record: it still says not draining

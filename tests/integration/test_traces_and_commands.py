@@ -260,8 +260,8 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
                                                      "latency_s": 0}
             assert 0 < audit.data["latency_s"] < 1.0
 
-            quant = await sender.send("exec-cmd", "quantize", {"layer": 0, "bits": 8})
-            assert not quant.ok and "quantize" in quant.error and "not supported" in quant.error
+            quant = await sender.send("exec-cmd", "replicate", {"layer": 0})
+            assert not quant.ok and "replicate" in quant.error and "not supported" in quant.error
             assert (await log.audit_of(quant.seq)).data["ok"] is False
             assert (await sender.send("exec-cmd", "ping")).ok  # an unsupported kind did not hurt the executor
 

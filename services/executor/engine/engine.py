@@ -24,6 +24,7 @@ from services.executor.engine.runner import ModelRunner
 from services.executor.engine.sampler import SamplingRow, sample
 from services.executor.engine.sampling_params import SamplingParams
 from services.executor.engine.scheduler import Scheduler
+from services.executor.engine.swapper import LayerSwapper
 from services.executor.engine.sequence import Sequence, Status
 from services.executor.engine.tokenizer import Tokenizer
 from shared.config import EngineConfig
@@ -66,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         self.runner = ModelRunner(self.model, config.block_size, config.device)
+        self.swapper = LayerSwapper(self.model, self.arena, self.scheduler)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, list[Sequence]] = {}
         self._text: dict[int, TextStream] = {}

@@ -10,6 +10,7 @@ to take back.
 """
 
 import heapq
+from collections.abc import Container
 from dataclasses import dataclass
 
 from services.executor.engine.errors import LedgerError
@@ -85,6 +86,22 @@ class PageLedger:
                 self._refcount[p] = 1
                 return p
         raise LedgerError("no free KV page")
+
+    def allocate_outside(self, avoid: Container[int]) -> int:
+        """Take one free KV page that is not in `avoid` (where KV must move out of, not into)."""
+        skipped = []
+        try:
+            while True:
+                page = self.allocate()
+                if page not in avoid:
+                    return page
+                skipped.append(page)
+        finally:
+            for page in skipped:
+                self.decref(page)
+
+    def free_outside(self, avoid: Container[int]) -> int:
+        return sum(1 for p in self._free if p not in avoid)
 
     def take(self, page: int) -> None:
         """Allocate a specific free page (used when KV must move to a chosen place)."""

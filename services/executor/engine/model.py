@@ -17,9 +17,14 @@ from tqdm import tqdm
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
+from kernels.w4a16 import w4a16_linear
+from kernels.w8a16 import w8a16_linear
 from services.executor.engine.arena import Arena, align
 from services.executor.engine.loader import Checkpoint
 from services.executor.engine.model_config import ModelConfig
+from services.executor.engine.quant import int4_group
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
@@ -39,6 +44,30 @@ def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[
     for name, shape in shapes.items():
         layout[name] = (offset, shape)
         offset = align(offset + math.prod(shape) * itemsize)
+    return layout, offset
+
+
+def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
+                   ) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    """Byte offset, shape and dtype of each tensor of a layer's INT8 or INT4 variant, packed from the
+    start of its slot, and the variant's size in bytes. Norms and biases stay in the serving dtype."""
+    fp, _ = layer_layout(cfg, dtype)
+    tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for name in LINEARS:
+        out, inp = fp[name][1]
+        if bits == 8:
+            tensors += [(f"{name}.q", (out, inp), torch.int8), (f"{name}.scale", (out,), dtype)]
+        elif bits == 4:
+            groups = inp // int4_group(inp)
+            tensors += [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.scale", (out, groups), dtype),
+                        (f"{name}.zero", (out, groups), dtype)]
+        else:
+            raise ValueError(f"no {bits}-bit variant: layers quantize to 8 or 4 bits")
+    tensors += [(name, fp[name][1], dtype) for name in ("input_norm", "post_attn_norm", "qkv_bias") if name in fp]
+    layout, offset = {}, 0
+    for name, shape, tdtype in tensors:
+        layout[name] = (offset, shape, tdtype)
+        offset = align(offset + math.prod(shape) * torch.empty((), dtype=tdtype).element_size())
     return layout, offset
 
 
@@ -67,6 +96,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for a layer's weight `name` in whatever precision its slot holds now."""
+    if bits == 8:
+        return w8a16_linear(x, w[f"{name}.q"], w[f"{name}.scale"], bias)
+    if bits == 4:
+        q = w[f"{name}.q"]
+        return w4a16_linear(x, q, w[f"{name}.scale"], w[f"{name}.zero"], q.shape[1] * 2 // w[f"{name}.scale"].shape[1],
+                            bias)
+    return F.linear(x, w[name], bias)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,6 +150,8 @@ class DecoderModel:
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         layout, _ = layer_layout(cfg, dtype)
+        self.full_bits = torch.finfo(dtype).bits
+        self.layer_bits = [self.full_bits] * cfg.num_layers  # what each layer's slot holds now
         self.layers = []
         for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
             views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
@@ -141,8 +183,9 @@ class DecoderModel:
         sin = self.sin[batch.positions].unsqueeze(1)
         kv_cache = self.arena.kv_cache
         for index, w in enumerate(self.layers):
+            bits = self.layer_bits[index]
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(h, w["qkv_proj"], w.get("qkv_bias"))
+            qkv = linear(h, w, "qkv_proj", bits, w.get("qkv_bias"))
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -155,9 +198,9 @@ class DecoderModel:
                 parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
                                                p.context_start, self.scale))
             attn = torch.cat(parts) if len(parts) > 1 else parts[0]
-            x = x + F.linear(attn.reshape(n, cfg.q_size), w["o_proj"])
+            x = x + linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits)
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, w["gate_up_proj"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down_proj"])
+            gate, up = linear(h, w, "gate_up_proj", bits).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w, "down_proj", bits)
         x = rms_norm(x[batch.logits_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()

@@ -1,0 +1,80 @@
+"""Hysteresis for the controller's ladder (DESIGN.md, "The controller's ladder").
+
+Every rung of the ladder reacts to a noisy signal: one slow window must not quantize a layer, and a
+brief lull must not restore one only for the next burst to quantize it again, each swap costing a
+copy and, on the way back, KV moves. So a rung steps *up* ("enter") after `enter_after` consecutive
+pressure windows, steps *down* ("leave") after `leave_after` consecutive calm windows, and never
+turns round before `min_dwell_s` has passed since its last step.
+
+The state is a frozen dataclass and `advance` is a pure function of (params, state, window), so a
+policy that keeps it can itself stay a pure function of its inputs and be replayed in the
+simulator; `Hysteresis` is the small mutable wrapper for callers that just want `update`.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Direction = Literal["enter", "leave"]
+
+
+@dataclass(frozen=True)
+class HysteresisParams:
+    enter_after: int  # consecutive pressure windows before stepping up
+    leave_after: int  # consecutive calm windows before stepping down
+    min_dwell_s: float  # no turning round sooner than this after the last step
+
+    def __post_init__(self) -> None:
+        if self.enter_after < 1 or self.leave_after < 1:
+            raise ValueError(f"window counts must be at least 1, got enter_after={self.enter_after}, "
+                             f"leave_after={self.leave_after}")
+        if self.min_dwell_s < 0:
+            raise ValueError(f"min_dwell_s must not be negative, got {self.min_dwell_s}")
+
+
+@dataclass(frozen=True)
+class HysteresisState:
+    pressure_windows: int = 0
+    calm_windows: int = 0
+    last_direction: Direction | None = None
+    last_change: float | None = None  # time of the last step, either way
+
+
+def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, calm: bool,
+            now: float) -> tuple[Direction | None, HysteresisState]:
+    """One window: returns the step to take now (if any) and the next state.
+
+    Pressure wins over calm when a caller reports both, because under-reacting to pressure costs
+    requests while a late restore only costs some accuracy for a while.
+    """
+    if pressure:
+        state = replace(state, pressure_windows=state.pressure_windows + 1, calm_windows=0)
+    elif calm:
+        state = replace(state, pressure_windows=0, calm_windows=state.calm_windows + 1)
+    else:
+        # A window between the marks breaks both runs: "consecutive" means consecutive.
+        return None, replace(state, pressure_windows=0, calm_windows=0)
+
+    want: Direction = "enter" if pressure else "leave"
+    count = state.pressure_windows if pressure else state.calm_windows
+    needed = params.enter_after if pressure else params.leave_after
+    if count < needed:
+        return None, state
+    turning = state.last_direction is not None and state.last_direction != want
+    if turning and state.last_change is not None and now - state.last_change < params.min_dwell_s:
+        # Keep the run counting: it fires on the first window after the dwell if it still holds.
+        return None, state
+    # Both runs restart, so the next step in the same direction needs a full run of its own.
+    return want, HysteresisState(last_direction=want, last_change=now)
+
+
+class Hysteresis:
+    """Mutable convenience around `advance`; `state` can be read out and put back at any time."""
+
+    def __init__(self, enter_after: int, leave_after: int, min_dwell_s: float,
+                 state: HysteresisState | None = None):
+        self.params = HysteresisParams(enter_after, leave_after, min_dwell_s)
+        self.state = state or HysteresisState()
+
+    def update(self, pressure: bool, calm: bool, now: float) -> Direction | None:
+        event, self.state = advance(self.params, self.state, pressure, calm, now)
+        return event

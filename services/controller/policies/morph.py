@@ -1,0 +1,270 @@
+"""The first rung of the controller's ladder: MorphServe's quantized layer swapping (DESIGN.md).
+
+Under pressure the policy quantizes the next `step` decoder layers in the swap order, so that the
+executor turns the freed slot tails into KV pages; when pressure is over it restores them, most
+recently quantized first. The ladder, for swap order o and bits_order (8, 4):
+
+    o[0]→8, o[1]→8, ... until max_layers are quantized, then o[0]→4, o[1]→4, ...
+
+and down again in exactly the reverse order (a restore always returns a layer to full precision).
+
+Where each executor stands on the ladder is read from its telemetry (`layers`, bits per layer),
+never from what this policy believes it sent: the controller drops plans for busy executors and
+commands can fail, so only the executor knows. What telemetry cannot tell is kept in `MorphMemory`,
+passed in and returned by the pure `plan`: the hysteresis runs per executor and the pages one
+quantized layer freed (learned from `pages_extension`), which says how many pages a restore takes
+back. `make_policy` wraps `plan` in the controller's Policy signature and keeps the memory in a
+closure; the controller's history is not replayed because the memory is that history, condensed.
+
+Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s, or
+requests wait that cannot be admitted (the queue is full, or the free KV would not hold one
+sequence of max_model_len). Calm, and the release test, both about the next restore: nothing
+waits, the delay is ≤ queue_delay_low_s, the KV in use now fits the capacity left after the restore
+with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks
+are measured against the capacity *after* the restore because a fixed fraction of the enlarged
+capacity is reached tens of seconds after the smaller one would already suffice.
+"""
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+
+from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
+from services.controller.loop import PlannedCommand, Policy
+from shared.config import ControllerConfig
+from shared.messages import ClusterState, ExecutorState
+
+MODES = ("off", "accuracy", "default", "performance")
+QUANT_BITS = (8, 4)
+REFERENCE_DEPTH = 32  # the presets' step and max_layers are for a 32-layer model
+
+
+def is_quantized(bits: int) -> bool:
+    return bits <= 8  # full precision reports 16 or 32
+
+
+@dataclass(frozen=True)
+class MorphSettings:
+    mode: str = "default"
+    kv_high: float = 0.90  # smoothed used / total KV pages
+    kv_low: float = 0.75  # of the capacity left after the next restore
+    queue_delay_high_s: float = 1.0
+    queue_delay_low_s: float = 0.25
+    enter_windows: int = 3  # k: consecutive pressure windows (cluster states) per quantize step
+    leave_windows: int = 10  # m: consecutive calm windows per restore step
+    min_dwell_s: float = 10.0  # no turning round sooner than this after the last step
+    step: int = 2  # layers per command
+    max_layers: int = 8  # layers quantized at most, counting every quantized layer
+    bits_order: tuple[int, ...] = (8, 4)
+    release_margin: float = 0.10  # headroom the KV in use must keep after a restore
+    swap_order: tuple[int, ...] | None = None  # e.g. an LIS profile; None: front to back
+
+    def __post_init__(self) -> None:
+        if self.swap_order is not None:  # lists come from JSON and CLIs; keep the dataclass hashable
+            object.__setattr__(self, "swap_order", tuple(int(i) for i in self.swap_order))
+        object.__setattr__(self, "bits_order", tuple(int(b) for b in self.bits_order))
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0 <= self.kv_low < self.kv_high:
+            problems.append(f"need 0 <= kv_low < kv_high, got {self.kv_low} and {self.kv_high}")
+        if not 0 <= self.queue_delay_low_s < self.queue_delay_high_s:
+            problems.append(f"need 0 <= queue_delay_low_s < queue_delay_high_s, got "
+                            f"{self.queue_delay_low_s} and {self.queue_delay_high_s}")
+        if self.step < 1 or self.max_layers < 0:
+            problems.append(f"need step >= 1 and max_layers >= 0, got {self.step} and {self.max_layers}")
+        if (not self.bits_order or any(b not in QUANT_BITS for b in self.bits_order)
+                or list(self.bits_order) != sorted(set(self.bits_order), reverse=True)):
+            problems.append(f"bits_order must be (8, 4), (8,) or (4,), got {self.bits_order}")
+        if self.release_margin < 0:
+            problems.append(f"release_margin must not be negative, got {self.release_margin}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        HysteresisParams(self.enter_windows, self.leave_windows, self.min_dwell_s)  # validates
+
+    @property
+    def hysteresis(self) -> HysteresisParams:
+        return HysteresisParams(self.enter_windows, self.leave_windows, self.min_dwell_s)
+
+
+# Accuracy gives up the least precision and gives it back soonest; performance reacts fastest,
+# goes deepest and holds on longest. step and max_layers are for REFERENCE_DEPTH layers.
+_PRESETS: dict[str, dict] = {
+    "accuracy": dict(kv_high=0.95, kv_low=0.80, queue_delay_high_s=2.0, queue_delay_low_s=0.5,
+                     enter_windows=5, leave_windows=5, min_dwell_s=5.0, step=1, max_layers=4,
+                     bits_order=(8,), release_margin=0.15),
+    "default": dict(),
+    "performance": dict(kv_high=0.80, kv_low=0.65, queue_delay_high_s=0.5, queue_delay_low_s=0.1,
+                        enter_windows=2, leave_windows=25, min_dwell_s=20.0, step=4, max_layers=16,
+                        bits_order=(8, 4), release_margin=0.05),
+}
+
+
+def _scale(n: int, num_layers: int) -> int:
+    return min(num_layers, max(1, math.floor(n * num_layers / REFERENCE_DEPTH + 0.5)))
+
+
+def settings_for_mode(mode: str, num_layers: int, **overrides) -> MorphSettings:
+    """The preset of `mode` for a model of `num_layers` decoder layers, then `overrides` by name."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    preset = dict(_PRESETS.get(mode, {}))
+    base = MorphSettings(**preset)
+    scaled = replace(base, mode=mode, step=_scale(base.step, num_layers),
+                     max_layers=_scale(base.max_layers, num_layers))
+    unknown = set(overrides) - {f.name for f in fields(MorphSettings)}
+    if unknown:
+        raise ValueError(f"unknown morph setting(s): {', '.join(sorted(unknown))}")
+    return replace(scaled, **overrides)
+
+
+def settings_for_config(config: ControllerConfig, num_layers: int) -> MorphSettings:
+    return settings_for_mode(config.morph_mode, num_layers, **dict(config.morph_overrides))
+
+
+# --- the ladder, read from telemetry -------------------------------------------------------------
+def swap_order(settings: MorphSettings, num_layers: int) -> list[int]:
+    order = range(num_layers) if settings.swap_order is None else settings.swap_order
+    seen: set[int] = set()
+    return [i for i in order if 0 <= i < num_layers and not (i in seen or seen.add(i))]
+
+
+def next_quantize(layers: list[int], settings: MorphSettings) -> tuple[list[int], int] | None:
+    """The next step up: (layers, bits), or None at the top of the ladder."""
+    order = swap_order(settings, len(layers))
+    room = settings.max_layers - sum(1 for b in layers if is_quantized(b))
+    fresh = [i for i in order if not is_quantized(layers[i])][:max(0, min(settings.step, room))]
+    if fresh:
+        return fresh, settings.bits_order[0]
+    for bits in settings.bits_order[1:]:
+        deeper = [i for i in order if bits < layers[i] <= 8][:settings.step]
+        if deeper:
+            return deeper, bits
+    return None
+
+
+def next_restore(layers: list[int], settings: MorphSettings) -> list[int]:
+    """The next step down: the most recently quantized layers on the ladder (layers outside the
+    swap order are not this policy's and stay as they are)."""
+    order = swap_order(settings, len(layers))
+
+    def rung(pos: int) -> int:
+        tier = max(0, sum(1 for b in settings.bits_order if layers[order[pos]] <= b) - 1)
+        return tier * len(order) + pos
+
+    ranked = sorted((p for p, i in enumerate(order) if is_quantized(layers[i])), key=rung, reverse=True)
+    return [order[p] for p in ranked[:settings.step]]
+
+
+# --- memory --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecutorMemory:
+    hysteresis: HysteresisState = HysteresisState()
+    freed_pages: dict[int, float] = field(default_factory=dict)  # bits -> KV pages one layer freed
+
+
+@dataclass(frozen=True)
+class MorphMemory:
+    """Everything `plan` needs beyond the current state. Never mutated: `plan` returns a new one."""
+    executors: dict[str, ExecutorMemory] = field(default_factory=dict)
+
+
+def learn_freed_pages(known: dict[int, float], layers: list[int], pages_extension: int) -> dict[int, float]:
+    """pages_extension = Σ over quantized layers of the pages each freed; with one width unknown
+    that is one equation in one unknown (layers of one model free the same pages at one width)."""
+    counts = Counter(b for b in layers if is_quantized(b))
+    if len(counts) == 1:
+        (bits, n), = counts.items()
+        return known | {bits: pages_extension / n}
+    unknown = [b for b in counts if b not in known]
+    if len(unknown) == 1:
+        rest = pages_extension - sum(known[b] * n for b, n in counts.items() if b != unknown[0])
+        if rest >= 0:
+            return known | {unknown[0]: rest / counts[unknown[0]]}
+    return known
+
+
+def pages_taken_back(known: dict[int, float], layers: list[int], pages_extension: int,
+                     restore: list[int]) -> int:
+    """KV pages the restore of `restore` takes back; an unknown width is bounded from above by the
+    whole extension shared among its layers, so that a guess errs towards keeping the KV."""
+    counts = Counter(b for b in layers if is_quantized(b))
+    total = sum(known.get(layers[i], pages_extension / counts[layers[i]]) for i in restore)
+    return min(pages_extension, math.ceil(total - 1e-9))
+
+
+# --- the policy ----------------------------------------------------------------------------------
+def under_pressure(es: ExecutorState, settings: MorphSettings) -> bool:
+    t = es.telemetry
+    blocked = t.waiting > 0 and (t.waiting >= t.max_waiting
+                                 or t.kv.pages_free * t.block_size < t.max_model_len)
+    return es.kv_usage >= settings.kv_high or es.queue_delay_s >= settings.queue_delay_high_s or blocked
+
+
+def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> bool:
+    t = es.telemetry
+    capacity = t.kv.pages_free + t.kv.pages_used
+    after = capacity - taken_back
+    return (t.waiting == 0 and es.queue_delay_s <= settings.queue_delay_low_s and after > 0
+            and t.kv.pages_used * (1 + settings.release_margin) <= after
+            and es.kv_usage * capacity <= settings.kv_low * after)
+
+
+SettingsSource = MorphSettings | Callable[[int], MorphSettings]
+
+
+def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSettings,
+                   now: float) -> tuple[list[PlannedCommand], ExecutorMemory]:
+    t = es.telemetry
+    freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
+    if not es.alive or t.draining:
+        # A skipped window breaks both runs; the time of the last step still counts for the dwell.
+        quiet = replace(memory.hysteresis, pressure_windows=0, calm_windows=0)
+        return [], ExecutorMemory(quiet, freed)
+    up = next_quantize(t.layers, settings)
+    down = next_restore(t.layers, settings)
+    # Only windows in which a step is possible count, so a step the hysteresis grants is always
+    # one the policy takes: its dwell clock then measures real commands.
+    pressure = up is not None and under_pressure(es, settings)
+    calm = bool(down) and release_ok(es, settings, pages_taken_back(freed, t.layers,
+                                                                    t.kv.pages_extension, down))
+    event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now)
+    commands = []
+    if event == "enter" and up is not None:
+        commands.append(PlannedCommand(es.executor, "quantize", {"layers": up[0], "bits": up[1]}))
+    elif event == "leave":
+        commands.append(PlannedCommand(es.executor, "restore", {"layers": down}))
+    return commands, ExecutorMemory(hysteresis, freed)
+
+
+def plan(state: ClusterState, memory: MorphMemory,
+         settings: SettingsSource) -> tuple[list[PlannedCommand], MorphMemory]:
+    """Pure: the commands for `state` and the memory for the next one. `settings` is one
+    MorphSettings for every executor or a function of an executor's depth."""
+    commands: list[PlannedCommand] = []
+    executors: dict[str, ExecutorMemory] = {}
+    for es in state.executors:
+        s = settings(len(es.telemetry.layers)) if callable(settings) else settings
+        previous = memory.executors.get(es.executor, ExecutorMemory())
+        if s.mode == "off":
+            executors[es.executor] = previous
+            continue
+        planned, executors[es.executor] = _plan_executor(es, previous, s, state.time)
+        commands.extend(planned)
+    # Executors gone from the state are forgotten: one that comes back starts from its telemetry.
+    return commands, MorphMemory(executors)
+
+
+def make_policy(settings: SettingsSource | None = None) -> Policy:
+    """The controller-facing policy; None reads the mode and overrides from ControllerConfig."""
+    memory = MorphMemory()
+
+    def morph_policy(state: ClusterState, history: list[ClusterState],
+                     config: ControllerConfig) -> list[PlannedCommand]:
+        nonlocal memory
+        source = settings if settings is not None else (lambda n: settings_for_config(config, n))
+        commands, memory = plan(state, memory, source)
+        return commands
+
+    return morph_policy

@@ -1,0 +1,271 @@
+"""`morphling eval ppl`: what quantizing K decoder layers costs in perplexity, by swap order and bit width.
+
+The controller quantizes layers one after another in a swap order; the question this answers is how
+much quality each step gives up, and whether the LIS order (from `morphling profile`) gives up less
+than naive orders. Quality is measured by *simulated* quantization: the chosen layers' weight views are
+overwritten in place with `quantize_*(w).dequantize()`, which is exactly what the W8A16/W4A16
+reference kernels compute (dequantize, then matmul), so the engine's ordinary full-precision forward
+pass sees the same numbers a quantized layer would produce. The originals are kept and copied back,
+bit for bit, after each measurement, so one loaded model serves a whole table.
+
+Perplexity runs the engine's own `DecoderModel.forward` over non-overlapping windows of `--window`
+tokens, each one prefill chunk in KV pages taken from the arena's ledger, with logits for every row.
+"""
+
+import argparse
+import json
+import math
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.model import ForwardBatch, PrefillChunk
+from services.executor.engine.quant import int4_group, quantize_int4, quantize_int8
+from shared.config import EngineConfig, parse_size
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpora" / "wikitext-2-test.txt"
+DEFAULT_PROFILE = REPO / "docs" / "results" / "lis_profile.json"
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # norms and biases stay in full precision
+ORDERS = ("lis", "front", "back", "random")
+TABLE_KS = (0, 1, 2, 4, 8, 16, 30)
+
+
+def simulated(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """The weight a `bits`-bit variant of `w` computes with."""
+    if bits == 8:
+        return quantize_int8(w).dequantize()
+    if bits == 4:
+        # 576-wide inputs (SmolLM2's hidden size) take group 96: 128 does not divide them
+        return quantize_int4(w, int4_group(w.shape[1])).dequantize()
+    raise ValueError(f"layers quantize to 8 or 4 bits, not {bits}")
+
+
+def require_full_precision(model) -> None:
+    # Simulated quantization edits the full-precision views; a slot holding a real variant has none.
+    full = getattr(model, "full_bits", None)
+    if any(bits != full for bits in getattr(model, "layer_bits", [])):
+        raise RuntimeError("simulated quantization needs every layer in full precision; restore them first")
+
+
+class SimulatedQuantization:
+    """Overwrites layers' projection views with their quantized-then-dequantized values; restores them."""
+
+    def __init__(self, engine: LLMEngine):
+        self.model = engine.model
+        self._saved: dict[int, dict[str, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def apply(self, layers: list[int], bits: int) -> None:
+        require_full_precision(self.model)
+        for i in layers:
+            if i in self._saved:
+                raise ValueError(f"layer {i} is already quantized")
+            views = self.model.layers[i]
+            self._saved[i] = {name: views[name].clone() for name in PROJECTIONS}
+            if (i, bits) not in self._cache:
+                self._cache[(i, bits)] = {name: simulated(views[name], bits) for name in PROJECTIONS}
+            for name, value in self._cache[(i, bits)].items():
+                views[name].copy_(value)
+
+    def restore(self) -> None:
+        for i, saved in self._saved.items():
+            for name, value in saved.items():
+                self.model.layers[i][name].copy_(value)
+        self._saved.clear()
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def load_tokens(engine: LLMEngine, corpus: Path, max_tokens: int) -> list[int]:
+    """The first `max_tokens` tokens of `corpus` (no BOS: SmolLM2's tokenizer adds none)."""
+    text = corpus.read_text(encoding="utf-8")
+    # Tokenizing all of a large corpus to keep its start is slow; a prefix of ~6 characters a token is
+    # enough, doubled when it is not.
+    chars = max_tokens * 6
+    while True:
+        ids = engine.tokenizer.encode(text[:chars])
+        if len(ids) > max_tokens or chars >= len(text):
+            return ids[:max_tokens]
+        chars *= 2
+
+
+@torch.inference_mode()
+def window_nll(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1:] given their prefixes, run as one prefill, and its count."""
+    bs, device = engine.config.block_size, engine.config.device
+    ledger = engine.arena.ledger
+    pages = [ledger.allocate() for _ in range(-(-len(ids) // bs))]
+    try:
+        table = torch.tensor(pages, dtype=torch.int32, device=device)
+        slots = [pages[p // bs] * bs + p % bs for p in range(len(ids))]
+        n = len(ids)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.arange(n, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            decodes=[],
+            prefills=[PrefillChunk(0, n, table, 0)],
+            logits_rows=torch.arange(n, dtype=torch.int64, device=device),
+        )
+        logits = engine.model.forward(batch)
+        target = batch.input_ids[1:]
+        nll = F.cross_entropy(logits[:-1], target, reduction="sum")
+        return float(nll), n - 1
+    finally:
+        for page in pages:
+            ledger.decref(page)
+
+
+def perplexity(engine: LLMEngine, tokens: list[int], window: int) -> float:
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start:start + window]
+        if len(chunk) < 2:
+            break
+        nll, n = window_nll(engine, chunk)
+        total, count = total + nll, count + n
+    return math.exp(total / count)
+
+
+def swap_order(order: str, num_layers: int, profile: Path | None = None, seed: int = 0) -> list[int]:
+    """Every layer, in the order the controller would quantize them."""
+    if order == "front":
+        return list(range(num_layers))
+    if order == "back":
+        return list(range(num_layers - 1, -1, -1))
+    if order == "random":
+        layers = list(range(num_layers))
+        random.Random(seed).shuffle(layers)
+        return layers
+    if order == "lis":
+        path = profile or DEFAULT_PROFILE
+        if not path.exists():
+            raise SystemExit(f"no LIS profile at {path}: run `morphling profile` first or pass --profile")
+        layers = json.loads(path.read_text())["order"]
+        if sorted(layers) != list(range(num_layers)):
+            raise SystemExit(f"{path} orders {len(layers)} layers, not this model's {num_layers}")
+        return layers
+    raise ValueError(f"unknown order {order!r}")
+
+
+def evaluate(engine: LLMEngine, quant: SimulatedQuantization, tokens: list[int], window: int,
+             layers: list[int], bits: int) -> float:
+    quant.apply(layers, bits)
+    try:
+        return perplexity(engine, tokens, window)
+    finally:
+        quant.restore()
+
+
+def table(engine, quant, tokens, window, profile, seed) -> list[dict]:
+    """Every (bits, order, K) of the doc's table; K=0 and K=all are run once each, as orders agree there."""
+    num_layers = engine.model_config.num_layers
+    orders = {o: swap_order(o, num_layers, profile, seed) for o in ORDERS}
+    ks = sorted({min(k, num_layers) for k in TABLE_KS})
+    base = evaluate(engine, quant, tokens, window, [], 8)
+    print(f"full precision: ppl {base:.3f}", flush=True)
+    rows = []
+    for bits in (8, 4):
+        shared = {0: base}
+        for order, layers in orders.items():
+            for k in ks:
+                if k not in shared or k not in (0, num_layers):
+                    started = time.perf_counter()
+                    ppl = evaluate(engine, quant, tokens, window, layers[:k], bits)
+                    if k in (0, num_layers):
+                        shared[k] = ppl
+                    print(f"int{bits} {order:>6} K={k:>2}: ppl {ppl:.3f} ({time.perf_counter() - started:.1f} s)",
+                          flush=True)
+                rows.append(dict(bits=bits, order=order, k=k, layers=layers[:k],
+                                 ppl=shared[k] if k in (0, num_layers) else ppl))
+        quant.clear_cache()
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Perplexity by K (columns) for each bit width and order (rows)."""
+    ks = sorted({r["k"] for r in rows})
+    lines = ["| bits | order | " + " | ".join(f"K={k}" for k in ks) + " |",
+             "|---|---|" + "---:|" * len(ks)]
+    for bits in (8, 4):
+        for order in ORDERS:
+            ppl = {r["k"]: r["ppl"] for r in rows if r["bits"] == bits and r["order"] == order}
+            if ppl:
+                lines.append(f"| int{bits} | {order} | " + " | ".join(f"{ppl[k]:.2f}" for k in ks) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib  # only the table needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    for ax, bits in zip(axes, (8, 4)):
+        for order in ORDERS:
+            pts = sorted((r["k"], r["ppl"]) for r in rows if r["bits"] == bits and r["order"] == order)
+            ax.plot([k for k, _ in pts], [p for _, p in pts], marker="o", label=order)
+        ax.set_title(f"INT{bits} (simulated), layers quantized in swap order")
+        ax.set_xlabel("K, decoder layers quantized")
+        ax.set_ylabel("perplexity")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="morphling eval", description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["ppl"], help="what to evaluate (perplexity)")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--quantized", "-k", type=int, default=0, help="number of layers quantized (K)")
+    ap.add_argument("--order", choices=ORDERS, default="lis")
+    ap.add_argument("--bits", type=int, choices=[4, 8], default=8)
+    ap.add_argument("--profile", type=Path, default=None, help=f"LIS profile JSON (default {DEFAULT_PROFILE})")
+    ap.add_argument("--max-tokens", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    ap.add_argument("--memory-budget", default="600MiB")
+    ap.add_argument("--table", action="store_true",
+                    help=f"run K in {TABLE_KS} x every order x bits 8 and 4, write perplexity.json and a plot")
+    ap.add_argument("--out", type=Path, default=None, help="folder of the JSON (default: . , or docs/results "
+                                                             "with --table)")
+    args = ap.parse_args(argv)
+    out = args.out or (REPO / "docs" / "results" if args.table else Path("."))
+    out.mkdir(parents=True, exist_ok=True)
+
+    engine = LLMEngine(EngineConfig(model=args.model, memory_budget=parse_size(args.memory_budget),
+                                    max_model_len=args.window), progress=False)
+    quant = SimulatedQuantization(engine)
+    tokens = load_tokens(engine, args.corpus, args.max_tokens)
+    started = time.perf_counter()
+    result = dict(model=args.model, corpus=str(args.corpus), tokens=len(tokens), window=args.window,
+                  machine=dict(platform=platform.platform(), processor=platform.processor(),
+                               torch_threads=torch.get_num_threads()),
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if args.table:
+        result["rows"] = table(engine, quant, tokens, args.window, args.profile, args.seed)
+        path = out / "perplexity.json"
+    else:
+        layers = swap_order(args.order, engine.model_config.num_layers, args.profile, args.seed)[:args.quantized]
+        ppl = evaluate(engine, quant, tokens, args.window, layers, args.bits)
+        result |= dict(bits=args.bits, order=args.order, k=args.quantized, layers=layers, ppl=ppl)
+        print(f"ppl {ppl:.3f}  (int{args.bits}, K={args.quantized}, order {args.order}, {len(tokens)} tokens)")
+        path = out / f"ppl_int{args.bits}_{args.order}_k{args.quantized}.json"
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    path.write_text(json.dumps(result, indent=2))
+    if args.table:
+        print(markdown_table(result["rows"]))
+        plot(result["rows"], out / "perplexity.png")
+    print(f"wrote {path}")
+    return result

@@ -1,0 +1,142 @@
+"""Layer swapping and KV resizing (MorphServe): change a decoder layer's precision in place.
+
+Quantizing writes the layer's INT8/INT4 variant into the start of its own slot and releases the pages
+it no longer fills to the KV free list in the same call. Restoring first moves live KV blocks out of
+those pages (page copy + block-table patch for every sequence that holds them), takes them back into
+the slot, and only then writes full precision back. Calls happen between engine steps, so requests
+running across a swap keep their KV and continue. Full-precision copies of swapped layers and their
+variants are kept in host memory, built the first time a layer is swapped.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.engine.arena import Arena
+from services.executor.engine.errors import EngineError
+from services.executor.engine.model import LINEARS, DecoderModel, layer_layout, variant_layout
+from services.executor.engine.quant import int4_group, quantize_int4, quantize_int8
+from services.executor.engine.scheduler import Scheduler
+
+
+class SwapError(EngineError):
+    """A swap was refused: bad layers or bits, or the KV in use cannot make room. Nothing changed."""
+
+
+@dataclass
+class SwapReport:
+    layers: list[int]
+    bits: int
+    pages_released: int  # slot pages that became KV pages
+    pages_reclaimed: int  # KV pages taken back into slots
+    blocks_relocated: int  # live KV pages moved out of reclaimed pages
+    seconds: float
+
+
+class LayerSwapper:
+    def __init__(self, model: DecoderModel, arena: Arena, scheduler: Scheduler):
+        self.model = model
+        self.arena = arena
+        self.scheduler = scheduler
+        self._fp_views = list(model.layers)  # the slot's full-precision views, to switch back to
+        self._fp_copy: dict[int, dict[str, torch.Tensor]] = {}
+        self._variants: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        dtype = model.dtype
+        self._layouts = {model.full_bits: {k: (o, s, dtype) for k, (o, s) in layer_layout(model.cfg, dtype)[0].items()}}
+        self._pages = {model.full_bits: arena.slot_pages}
+        for bits in (8, 4):
+            layout, nbytes = variant_layout(model.cfg, dtype, bits)
+            self._layouts[bits] = layout
+            self._pages[bits] = arena.geometry.pages_for_bytes(nbytes)
+
+    def pages_for(self, bits: int) -> int:
+        """Slot pages a layer occupies at `bits` (the rest of its slot serves as KV)."""
+        return self._pages[bits]
+
+    def set_bits(self, layers: list[int], bits: int) -> SwapReport:
+        """Bring every layer in `layers` to `bits` (8, 4, or the full precision, which restores)."""
+        start = time.perf_counter()
+        if bits not in self._pages:
+            raise SwapError(f"layers can hold {sorted(self._pages)} bits, not {bits}")
+        bad = [i for i in layers if not 0 <= i < len(self.model.layers)]
+        if bad or len(set(layers)) != len(layers):
+            raise SwapError(f"layer indices must be distinct and in [0, {len(self.model.layers)}): {layers}")
+        reclaim = {i: range(self._slot(i).start + self.pages_for(self.model.layer_bits[i]),
+                            self._slot(i).start + self.pages_for(bits))
+                   for i in layers if self.pages_for(bits) > self.pages_for(self.model.layer_bits[i])}
+        relocated = self._vacate({p for pages in reclaim.values() for p in pages})
+        released = 0
+        for i in layers:
+            if i in reclaim:
+                self.arena.ledger.assign_slot(i, reclaim[i])
+            held, need = self.pages_for(self.model.layer_bits[i]), self.pages_for(bits)
+            self._write(i, bits)
+            if need < held:
+                self.arena.ledger.release_slot_pages(i, range(self._slot(i).start + need, self._slot(i).start + held))
+                released += held - need
+        reclaimed = sum(len(pages) for pages in reclaim.values())
+        return SwapReport(list(layers), bits, released, reclaimed, relocated, time.perf_counter() - start)
+
+    def restore(self, layers: list[int]) -> SwapReport:
+        return self.set_bits(layers, self.model.full_bits)
+
+    # --- pages --------------------------------------------------------------------------------
+    def _slot(self, layer: int) -> range:
+        return self.arena.slot_range(layer)
+
+    def _vacate(self, pages: set[int]) -> int:
+        """Move live KV out of `pages` (copy, then patch every block table); returns the pages moved.
+        Refuses, changing nothing, when the KV pages elsewhere cannot take it."""
+        ledger = self.arena.ledger
+        live = [p for p in sorted(pages) if ledger.refcount(p) > 0]
+        if len(live) > ledger.free_outside(pages):
+            raise SwapError(f"restoring needs {len(live)} live KV blocks moved out of the layers' slots, but only "
+                            f"{ledger.free_outside(pages)} free KV pages are elsewhere")
+        moved = {}
+        for page in live:
+            dst = ledger.allocate_outside(pages)
+            for _ in range(ledger.refcount(page) - 1):
+                ledger.incref(dst)
+            while ledger.refcount(page):
+                ledger.decref(page)
+            moved[page] = dst
+        if moved:
+            device = self.arena.buffer.device
+            src, dst = torch.tensor(list(moved), device=device), torch.tensor(list(moved.values()), device=device)
+            self.arena.kv_cache[dst] = self.arena.kv_cache[src]
+            for seq in self.scheduler.running:
+                seq.block_table = [moved.get(p, p) for p in seq.block_table]
+        return len(moved)
+
+    # --- weights ------------------------------------------------------------------------------
+    def _write(self, layer: int, bits: int) -> None:
+        if layer not in self._fp_copy:
+            self._fp_copy[layer] = {k: v.clone() for k, v in self._fp_views[layer].items()}
+        if bits == self.model.full_bits:
+            for name, view in self._fp_views[layer].items():
+                view.copy_(self._fp_copy[layer][name])
+            self.model.layers[layer] = self._fp_views[layer]
+        else:
+            views = {name: self.arena.slot_view(layer, off, shape, dtype)
+                     for name, (off, shape, dtype) in self._layouts[bits].items()}
+            for name, tensor in self._variant(layer, bits).items():
+                views[name].copy_(tensor)
+            self.model.layers[layer] = views
+        self.model.layer_bits[layer] = bits
+
+    def _variant(self, layer: int, bits: int) -> dict[str, torch.Tensor]:
+        key = (layer, bits)
+        if key not in self._variants:
+            fp = self._fp_copy[layer]
+            variant = {}
+            for name in LINEARS:
+                if bits == 8:
+                    q = quantize_int8(fp[name])
+                    variant |= {f"{name}.q": q.qweight, f"{name}.scale": q.scale}
+                else:
+                    q = quantize_int4(fp[name], int4_group(fp[name].shape[1]))
+                    variant |= {f"{name}.q": q.packed, f"{name}.scale": q.scale, f"{name}.zero": q.zero}
+            variant |= {name: fp[name] for name in ("input_norm", "post_attn_norm", "qkv_bias") if name in fp}
+            self._variants[key] = variant
+        return self._variants[key]

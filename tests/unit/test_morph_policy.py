@@ -1,0 +1,216 @@
+"""The MorphServe policy and its hysteresis, driven with hand-made cluster states (no bus).
+
+A fake executor applies the planned commands to its layers and KV capacity the way the real one
+does (a quantized layer's slot tail becomes KV pages), so that the policy sees its own effects.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from services.controller.hysteresis import Hysteresis
+from services.controller.loop import Controller
+from services.controller.policies.morph import (MorphMemory, MorphSettings, learn_freed_pages, make_policy,
+                                                next_restore, pages_taken_back, plan, settings_for_mode)
+from shared.config import ControllerConfig
+from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
+
+SLOT, FREED, BASE = 10, {8: 5, 4: 7}, 40  # pages per FP16 slot, pages freed per layer, base KV pages
+
+
+@dataclass
+class FakeExecutor:
+    name: str = "e0"
+    layers: list[int] = field(default_factory=lambda: [16] * 8)
+    alive: bool = True
+    draining: bool = False
+
+    def capacity(self) -> int:
+        return BASE + sum(FREED[b] for b in self.layers if b <= 8)
+
+    def apply(self, commands):
+        for c in commands:
+            assert c.executor == self.name
+            if c.kind == "quantize":
+                for i in c.args["layers"]:
+                    assert self.layers[i] > c.args["bits"], f"layer {i} is already at {self.layers[i]}"
+                    self.layers[i] = c.args["bits"]
+            else:
+                for i in c.args["layers"]:
+                    assert self.layers[i] <= 8, f"layer {i} is not quantized"
+                    self.layers[i] = 16
+
+    def state(self, usage: float, waiting: int = 0, delay: float = 0.0) -> ExecutorState:
+        cap = self.capacity()
+        used = min(cap, round(usage * cap))
+        ext = cap - BASE
+        kv = KvPages(pages_total=BASE + SLOT * len(self.layers), pages_slot=SLOT * len(self.layers) - ext,
+                     pages_free=cap - used, pages_used=used, pages_base=BASE, pages_extension=ext)
+        t = ExecutorTelemetry(executor=self.name, time=0.0, model="m", max_model_len=64, block_size=16,
+                              page_bytes=4096, kv=kv, layers=list(self.layers), running=1, waiting=waiting,
+                              max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
+                              queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining)
+        return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
+                             queue_delay_s=delay, waiting=waiting, telemetry=t)
+
+
+BASE_SETTINGS = MorphSettings(enter_windows=3, leave_windows=4, min_dwell_s=2.0, step=2, max_layers=4,
+                              bits_order=(8, 4), swap_order=[5, 2, 7, 0, 1, 3, 4, 6], release_margin=0.1)
+PRESSURE, CALM, BETWEEN = 1.0, 0.0, 0.85  # KV usage
+
+
+class Driver:
+    def __init__(self, settings=BASE_SETTINGS, executor=None, dt=0.2):
+        self.settings, self.ex, self.dt = settings, executor or FakeExecutor(), dt
+        self.memory, self.now, self.log = MorphMemory(), 0.0, []
+
+    def window(self, usage: float, **kw):
+        self.now += self.dt
+        state = ClusterState(time=self.now, executors=[self.ex.state(usage, **kw)])
+        commands, self.memory = plan(state, self.memory, self.settings)
+        self.ex.apply(commands)
+        self.log.extend((self.now, c) for c in commands)
+        return commands
+
+
+def test_step_load_quantizes_every_k_windows_in_swap_order_int8_first_up_to_max_layers():
+    d = Driver()
+    fired = [i for i in range(40) if d.window(PRESSURE)]
+    assert fired == [2, 5, 8, 11]  # the k-th window of each run of k
+    args = [c.args for _, c in d.log]
+    assert args == [{"layers": [5, 2], "bits": 8}, {"layers": [7, 0], "bits": 8},
+                    {"layers": [5, 2], "bits": 4}, {"layers": [7, 0], "bits": 4}]
+    assert sum(b <= 8 for b in d.ex.layers) == 4
+
+
+def test_int4_only_and_single_layer_steps():
+    d = Driver(MorphSettings(enter_windows=1, step=1, max_layers=3, bits_order=(4,)))
+    for _ in range(10):
+        d.window(PRESSURE)
+    assert [c.args for _, c in d.log] == [{"layers": [i], "bits": 4} for i in range(3)]
+
+
+def test_calm_restores_in_reverse_only_after_m_windows_and_the_dwell():
+    d = Driver(BASE_SETTINGS.__class__(**{**BASE_SETTINGS.__dict__, "min_dwell_s": 5.0}))
+    for _ in range(12):
+        d.window(PRESSURE)
+    last_quantize = d.log[-1][0]
+    restores = []
+    for _ in range(200):
+        for c in d.window(CALM):
+            restores.append((d.now, c.args["layers"]))
+    assert [r[1] for r in restores] == [[0, 7], [2, 5]]  # a restore goes all the way to FP16
+    assert restores[0][0] >= last_quantize + 5.0 - 1e-9  # the dwell, not the 4 windows, held it
+    assert restores[1][0] - restores[0][0] == pytest.approx(4 * d.dt)  # then every m windows
+    assert d.ex.layers == [16] * 8
+
+
+def test_a_window_between_the_marks_breaks_the_run():
+    d = Driver()
+    for usage in [PRESSURE, PRESSURE, BETWEEN, PRESSURE, PRESSURE]:
+        assert not d.window(usage)
+    assert d.window(PRESSURE)
+
+
+def test_queue_delay_and_blocked_admission_are_pressure_too():
+    slow = Driver()
+    assert [bool(slow.window(0.1, delay=5.0)) for _ in range(3)] == [False, False, True]
+    lax = MorphSettings(kv_high=0.99, kv_low=0.5)
+    full_queue, short_of_pages = Driver(lax), Driver(lax)
+    assert [bool(full_queue.window(0.1, waiting=8)) for _ in range(3)] == [False, False, True]
+    assert [bool(short_of_pages.window(0.95, waiting=1)) for _ in range(3)] == [False, False, True]
+    assert not any(Driver(lax).window(0.8, waiting=1) for _ in range(10))  # room for one: not the KV
+
+
+def test_release_test_blocks_a_restore_while_the_kv_in_use_would_not_fit():
+    d = Driver(MorphSettings(enter_windows=1, leave_windows=2, min_dwell_s=0.0, step=2, max_layers=2,
+                             bits_order=(8,), kv_high=0.99, kv_low=0.98, release_margin=0.1))
+    d.window(PRESSURE)  # layers 0 and 1 to INT8: capacity 40 -> 50 pages
+    assert d.ex.capacity() == 50
+    for _ in range(50):  # 38 used: under kv_low even of the 40 pages left, but 38 * 1.1 > 40
+        assert not d.window(0.76)
+    for _ in range(50):  # nothing restores while a request waits, however empty the KV
+        assert not d.window(0.1, waiting=1)
+    assert not d.window(0.7)  # 35 used: 38.5 <= 40
+    assert d.window(0.7)[0].args == {"layers": [1, 0]}
+
+
+def test_freed_pages_are_learned_and_unknown_widths_bounded_from_above():
+    known = learn_freed_pages({}, [8, 8, 16], 10)
+    assert known == {8: 5}
+    known = learn_freed_pages(known, [4, 8, 16], 12)
+    assert known == {8: 5, 4: 7}
+    assert pages_taken_back(known, [4, 8, 16], 12, [0]) == 7
+    assert pages_taken_back({}, [4, 8, 8], 17, [0]) == 17  # only the total is known: assume it all
+
+
+def test_dead_and_draining_executors_get_nothing():
+    for flag in ("alive", "draining"):
+        ex = FakeExecutor()
+        setattr(ex, flag, flag == "draining")
+        d = Driver(executor=ex)
+        assert not any(d.window(PRESSURE) for _ in range(20))
+
+
+def test_modes_scale_with_depth_and_off_sends_nothing():
+    assert (settings_for_mode("default", 32).step, settings_for_mode("default", 32).max_layers) == (2, 8)
+    assert (settings_for_mode("accuracy", 32).step, settings_for_mode("accuracy", 32).max_layers) == (1, 4)
+    perf = settings_for_mode("performance", 32)
+    assert (perf.step, perf.max_layers) == (4, 16)
+    assert (settings_for_mode("default", 30).max_layers, settings_for_mode("performance", 30).max_layers) == (8, 15)
+    assert settings_for_mode("performance", 4).step == 1 and settings_for_mode("accuracy", 2).max_layers == 1
+    assert settings_for_mode("default", 8, kv_high=0.8).kv_high == 0.8
+    d = Driver(settings_for_mode("off", 8))
+    assert not any(d.window(PRESSURE, waiting=8, delay=9.0) for _ in range(50))
+
+
+@pytest.mark.parametrize("bad", [dict(mode="fast"), dict(kv_low=0.95), dict(step=0), dict(bits_order=(4, 8)),
+                                 dict(bits_order=(2,)), dict(enter_windows=0), dict(release_margin=-1)])
+def test_nonsense_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        MorphSettings(**bad)
+    with pytest.raises(ValueError):
+        settings_for_mode("default", 8, nonsense=1)
+
+
+def test_adapter_reads_the_controller_config_and_keeps_its_memory():
+    config = ControllerConfig(morph_mode="performance", morph_overrides=(("enter_windows", 2),))
+    controller = Controller(config, [make_policy()])
+    ex = FakeExecutor()
+    planned = [controller.plan(ClusterState(time=i * 0.2, executors=[ex.state(PRESSURE)])) for i in range(2)]
+    assert planned[0] == [] and planned[1][0].args == {"layers": [0], "bits": 8}  # 4 * 8 / 32 = 1 layer
+
+
+def test_hysteresis_counts_windows_and_waits_out_the_dwell():
+    h = Hysteresis(enter_after=2, leave_after=3, min_dwell_s=10.0)
+    assert [h.update(True, False, t) for t in (0, 1)] == [None, "enter"]
+    assert [h.update(False, True, t) for t in (2, 3, 4, 5)] == [None, None, None, None]
+    assert h.update(False, True, 11) == "leave"  # the run was complete; the dwell held it
+    assert h.update(True, True, 12) is None  # pressure wins a contradictory window but needs its run
+
+
+def test_restore_rank_is_reverse_of_the_ladder():
+    assert next_restore([4, 8, 8, 4, 16], MorphSettings(step=5)) == [3, 0, 2, 1]
+
+
+@hsettings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([PRESSURE, CALM, BETWEEN, "delay", "waiting"]),
+                          st.floats(min_value=0.01, max_value=3.0)), min_size=1, max_size=300),
+       st.integers(1, 3), st.integers(1, 4), st.floats(0.0, 5.0), st.integers(1, 3), st.integers(0, 8),
+       st.sampled_from([(8, 4), (8,), (4,)]), st.permutations(list(range(8))))
+def test_oscillating_load_never_flaps_overshoots_or_restores_fp16(load, k, m, dwell, step, max_layers,
+                                                                   bits_order, order):
+    s = MorphSettings(enter_windows=k, leave_windows=m, min_dwell_s=dwell, step=step, max_layers=max_layers,
+                      bits_order=bits_order, swap_order=order)
+    d = Driver(s)
+    for level, dt in load:
+        d.dt = dt
+        kw = {"delay": 9.0} if level == "delay" else {"waiting": 3} if level == "waiting" else {}
+        d.window(0.1 if level == "delay" else 0.97 if level == "waiting" else level, **kw)  # FakeExecutor.apply checks the layers
+        assert sum(b <= 8 for b in d.ex.layers) <= max_layers
+    last = None
+    for now, c in d.log:
+        if last is not None and last[1] != c.kind:
+            assert now - last[0] >= dwell - 1e-9, (last, now, c)
+        last = (now, c.kind)

@@ -1,0 +1,42 @@
+"""Quantized weights reconstruct the original within the format's resolution."""
+
+import pytest
+import torch
+
+from services.executor.engine.quant import quantize_int4, quantize_int8
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (9, 256), (1536, 576 - 64)])
+def test_int8_error_is_within_half_a_step_per_channel(shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q = quantize_int8(w)
+    assert q.qweight.dtype == torch.int8 and q.scale.shape == (shape[0],)
+    err = (q.dequantize() - w).abs()
+    assert (err <= q.scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_int4_packs_two_codes_a_byte_and_reconstructs_within_half_a_step(group):
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    q = quantize_int4(w, group)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (48, 128)
+    assert q.scale.shape == q.zero.shape == (48, 256 // group)
+    codes = q.unpack()
+    assert codes.max() <= 15 and codes.shape == (48, 256)
+    err = (q.dequantize() - w).abs().view(48, 256 // group, group)
+    assert (err <= q.scale[..., None] / 2 + 1e-6).all()
+    # both ends of every group are representable, so its extremes come back almost exactly
+    g = w.view(48, -1, group)
+    back = q.dequantize().view(48, -1, group)
+    assert torch.allclose(back.amin(-1), g.amin(-1), atol=1e-5) and torch.allclose(back.amax(-1), g.amax(-1), atol=1e-5)
+
+
+def test_int4_refuses_widths_that_do_not_split_into_groups():
+    with pytest.raises(ValueError, match="group size"):
+        quantize_int4(torch.randn(4, 100))
+
+
+def test_int4_group_is_the_largest_even_divisor_up_to_128():
+    from services.executor.engine.quant import int4_group
+
+    assert int4_group(1536) == 128 and int4_group(576) == 96 and int4_group(4096) == 128 and int4_group(64) == 64

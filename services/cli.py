@@ -10,7 +10,8 @@ import importlib
 import logging
 import sys
 
-# name -> (module, help). The deployment files (docker-compose.yml) are checked against these names.
+# name -> ("module" or "module:function", help); the function defaults to main. The deployment files
+# (docker-compose.yml) are checked against these names.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.up", "start nats-server, monitor, controller, executors and a gateway on one machine"),
     "gateway": ("services.gateway.app", "the OpenAI-compatible HTTP front end"),
@@ -21,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                      "offline generation throughput: our engine vs transformers.generate"),
     "profile": ("services.executor.engine.profile", "rank decoder layers by importance (LIS) into a swap order"),
     "eval": ("services.executor.engine.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
+    "morph": ("services.admin_cli:morph_main", "quantize or restore layers by hand through a gateway"),
+    "status": ("services.admin_cli:status_main", "the cluster as a gateway sees it: load, KV pages, layer bits"),
 }
 
 
@@ -41,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(COMMANDS[command][0])
-    result = module.main(rest)
+    module_name, _, function = COMMANDS[command][0].partition(":")
+    result = getattr(importlib.import_module(module_name), function or "main")(rest)
     # Tools return a report (bench-engine returns its rows), services an exit status or None.
     return result if isinstance(result, int) else 0
 

@@ -193,9 +193,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="cpu, or cuda (executor i on cuda:i), or one explicit device for every executor")
     ap.add_argument("--memory-budget", help="bytes of each executor's page arena, e.g. 2GiB")
     ap.add_argument("--mode", default="off", choices=("off", *MORPHING_MODES),
-                    help="how eagerly the controller morphs under load")
+                    help="how eagerly the controller morphs under load (default %(default)s)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
-                    help="bits of every decoder layer from the start")
+                    help="bits of every decoder layer, fixed: 8 or 4 are the static baselines (with --mode off), "
+                         "16 is full precision as loaded (default %(default)s)")
     ap.add_argument("--nats", help="an existing NATS server; without it an embedded one is started")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /ready")
     ap.add_argument("--run-dir", type=Path, help="where the children's logs go (default: a temporary directory)")
@@ -210,14 +211,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def unsupported(args: argparse.Namespace) -> str | None:
-    """Why these arguments cannot run in this version, or None. Checked before anything starts."""
-    if args.mode != "off":
-        return (f"--mode {args.mode} needs the morphing support (layer quantization), which this version "
-                "does not have yet; use --mode off")
-    if args.static_bits != 16:
-        return (f"--static-bits {args.static_bits} needs the morphing support (layer quantization), which "
-                "this version does not have yet; use --static-bits 16")
+def refused(args: argparse.Namespace) -> str | None:
+    """Why these arguments make no sense together, or None. Checked before anything starts."""
+    if args.mode != "off" and args.static_bits != 16:
+        # The controller would restore "quantized" layers to full precision at the first lull, so
+        # the run would be neither the static baseline nor morphing.
+        return (f"--mode {args.mode} cannot be combined with --static-bits {args.static_bits}: the static "
+                f"baselines run with --mode off (or morph from full precision with --static-bits 16)")
     return None
 
 
@@ -252,7 +252,7 @@ def _served_model(client, base: str, fallback: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    reason = unsupported(args)
+    reason = refused(args)
     if reason:
         print(f"morphling up: {reason}", file=sys.stderr)
         return 2
@@ -279,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             nats_url = cluster.start_nats()
             _progress(f"nats-server listening at {nats_url}")
         cluster.start_service("monitor", ["--nats", nats_url])
-        cluster.start_service("controller", ["--nats", nats_url])
+        cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode])
         for i in range(args.executors):
             exec_args = ["--nats", nats_url, "--id", f"exec{i}", "--model", args.model,
-                         "--device", executor_device(args.device, i)]
+                         "--device", executor_device(args.device, i), "--static-bits", str(args.static_bits)]
             if args.memory_budget is not None:
                 exec_args += ["--memory-budget", args.memory_budget]
             cluster.start_service("executor", exec_args, name=f"exec{i}")

@@ -30,6 +30,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     max_waiting: int = 256  # bounded waiting queue; a full queue rejects at admission
     seed: int = 0  # seeds unseeded sampling, so that a whole run is reproducible
+    variant_bits: tuple[int, ...] = (8, 4)  # the quantized variants a layer can swap to
+    awq: bool = False  # activation-aware (AWQ-style) scaling of the variants, calibrated on wikitext-2
+    variant_cache_dir: str | None = None  # None: ~/.cache/morphling/variants
+    host_memory_cap: int | None = None  # bytes of host memory for held variants; None: no cap
+    prepare_variants: bool = False  # build/load every variant at start (the executor does); False: at first swap
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

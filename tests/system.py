@@ -19,11 +19,12 @@ from tests.nats_server import NatsServer, free_port
 
 class System:
     def __init__(self, workdir: Path, executors: int = 1, executor_args: tuple[str, ...] = (),
-                 gateway_env: dict[str, str] | None = None):
+                 gateway_env: dict[str, str] | None = None, controller_args: tuple[str, ...] = ()):
         self.workdir = workdir
         self.nats = NatsServer()
         self.port = free_port()
         self.executor_args = executor_args
+        self.controller_args = controller_args
         self.gateway_env = gateway_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_executors = executors
@@ -35,7 +36,9 @@ class System:
     def start(self, timeout: float = 240) -> "System":
         self.nats.start()
         self.spawn("monitor", "monitor", "--nats", self.nats.url, "--dead-after", "1.0")
-        self.spawn("controller", "controller", "--nats", self.nats.url)
+        # Morphing stays off unless a test asks for it (a later --mode wins): the tests of serving and
+        # of faults expect the layers they started with.
+        self.spawn("controller", "controller", "--nats", self.nats.url, "--mode", "off", *self.controller_args)
         for i in range(self.num_executors):
             self.start_executor(i)
         self.spawn("gateway", "gateway", "--nats", self.nats.url, "--host", "127.0.0.1", "--port", str(self.port),
@@ -44,7 +47,8 @@ class System:
         return self
 
     def start_executor(self, i: int) -> None:
-        self.spawn(f"exec{i}", "executor", "--nats", self.nats.url, "--id", f"exec{i}",
+        # variants are built at the first swap, not at start: most tests never swap, and CI time counts
+        self.spawn(f"exec{i}", "executor", "--nats", self.nats.url, "--id", f"exec{i}", "--lazy-variants",
                    "--memory-budget", "800MiB", "--max-model-len", "2048", *self.executor_args)
 
     def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:

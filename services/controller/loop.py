@@ -118,6 +118,7 @@ class Controller:
         self.sender: CommandSender | None = None
         self._sub = None
         self._busy: dict[str, asyncio.Task] = {}
+        self._settled: dict[str, float] = {}  # when each executor's last command finished
         self._pending: ClusterState | None = None
         self._wake = asyncio.Event()
         self._runner: asyncio.Task | None = None
@@ -182,13 +183,23 @@ class Controller:
         by_executor: dict[str, list[PlannedCommand]] = {}
         for p in planned:
             by_executor.setdefault(p.executor, []).append(p)
+        # A state whose telemetry predates the end of the executor's last command does not show its effect
+        # yet (and a swap changes layers one by one): acting on it would repeat what was just done.
+        reported = {e.executor: e.telemetry.time for e in self.history[-1].executors} if self.history else {}
         for executor, commands in by_executor.items():
             if executor in self._busy:
                 log.debug("executor %s busy: dropped %d planned command(s)", executor, len(commands))
                 continue
+            if reported.get(executor, float("inf")) <= self._settled.get(executor, float("-inf")):
+                log.debug("executor %s: state predates its last command; dropped %d", executor, len(commands))
+                continue
             task = asyncio.create_task(self._send_all(executor, commands), name=f"cmd-{executor}")
             self._busy[executor] = task
-            task.add_done_callback(lambda _t, e=executor: self._busy.pop(e, None))
+            task.add_done_callback(lambda _t, e=executor: self._command_done(e))
+
+    def _command_done(self, executor: str) -> None:
+        self._busy.pop(executor, None)
+        self._settled[executor] = time.time()
 
     async def _send_all(self, executor: str, commands: list[PlannedCommand]) -> None:
         assert self.sender is not None

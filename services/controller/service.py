@@ -1,21 +1,30 @@
 """The controller process: follows the cluster state and sends the policies' commands.
 
-No policy is configured yet (the first arrives with the morph lever), so the process only tracks
-the state; it still runs so that deployments, `morphling up` and the audit trail have their final
-shape before the policies do.
+The one policy so far is MorphServe's layer swapping (policies/morph.py). `--mode off` runs the
+process with no policy at all rather than not running it, so that deployments, `morphling up` and
+the audit trail keep one shape whether or not anything morphs: the static baselines (executors
+started with --static-bits) are measured with exactly that.
+
+The morph settings are not fixed here: a mode's preset is scaled to each executor's depth, read
+from its telemetry on every window, so one controller serves executors of different models. The
+command line adds only what a preset cannot know: a swap order from `morphling profile` and
+overrides of single settings by name (`--morph-set kv_high=0.85`), checked before the bus is touched.
 """
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from shared.bus import Bus, BusError
 from shared.config import ControllerConfig
 from shared.telemetry import setup_tracing
 
 from services.controller.loop import Controller
+from services.controller.policies.morph import MODES, make_policy, settings_for_mode
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +43,43 @@ async def _run_until_signalled(config: ControllerConfig) -> None:
         log.info("controller: stopped before the bus connected")
         return
     bus = connecting.result()
-    controller = Controller(config, policies=[])
+    # make_policy() without settings reads mode and overrides from the config at each window.
+    policies = [] if config.morph_mode == "off" else [make_policy()]
+    controller = Controller(config, policies=policies)
     await controller.start(bus)
-    log.info("controller %s: following the cluster state on %s (no policies configured)",
-             config.controller_id, config.nats_url)
+    log.info("controller %s: following the cluster state on %s (morph mode %s%s)", config.controller_id,
+             config.nats_url, config.morph_mode,
+             "".join(f", {k}={v}" for k, v in config.morph_overrides))
     await stop.wait()
     log.info("controller %s: stopping", config.controller_id)
     await controller.stop()
     await bus.close()
+
+
+def read_swap_order(path: str) -> tuple[int, ...]:
+    """The "order" of a `morphling profile` JSON file: layer indices, most swappable first."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the swap order from {path}: {exc}") from exc
+    order = data.get("order") if isinstance(data, dict) else None
+    if (not isinstance(order, list) or not order
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in order)):
+        raise ValueError(f"{path} has no swap order: expected {{\"order\": [layer indices]}}")
+    return tuple(order)
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """'kv_high=0.85' -> ('kv_high', 0.85); values are JSON (numbers, lists), else taken as text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--morph-set takes key=value, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    # JSON lists would make the frozen config unhashable; MorphSettings takes tuples alike.
+    return key.strip(), tuple(value) if isinstance(value, list) else value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,13 +92,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for an executor's answer to one attempt")
     parser.add_argument("--command-retries", type=int, default=defaults.command_retries,
                         help="extra attempts (same seq) after an unanswered command")
+    parser.add_argument("--mode", default=defaults.morph_mode, choices=MODES,
+                        help="how eagerly layers are quantized under load; off: no morphing (default %(default)s)")
+    parser.add_argument("--swap-order", metavar="PATH",
+                        help="JSON written by `morphling profile` ({\"order\": [layers]}); default front to back")
+    parser.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one morph setting of the mode's preset, e.g. kv_high=0.85 (repeatable)")
     args = parser.parse_args(argv)
     if args.command_timeout <= 0 or args.command_retries < 0:
         parser.error("--command-timeout must be positive and --command-retries non-negative")
+    try:
+        overrides = dict(parse_setting(text) for text in args.morph_set)
+        if args.swap_order:
+            overrides["swap_order"] = read_swap_order(args.swap_order)
+        # Checked once at a typical depth, so that a typo fails here and not silently per window.
+        settings_for_mode(args.mode, 32, **overrides)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("controller")
     config = ControllerConfig(nats_url=args.nats, controller_id=args.id,
-                              command_timeout_s=args.command_timeout, command_retries=args.command_retries)
+                              command_timeout_s=args.command_timeout, command_retries=args.command_retries,
+                              morph_mode=args.mode, morph_overrides=tuple(overrides.items()))
     try:
         asyncio.run(_run_until_signalled(config))
     except BusError as exc:

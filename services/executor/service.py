@@ -4,6 +4,11 @@ This side is thin on purpose. The engine runs in its own thread (worker.py); her
 receives requests, cancels and commands, answers commands, publishes telemetry, and drains the one
 ordered outbox through which everything the engine thread sends leaves, so that a request's Admission
 reply is always written before its first TokenBatch.
+
+`--static-bits 8|4` quantizes every decoder layer once, after the engine loads and before the
+executor serves: the static INT8/INT4 baselines that morphing is measured against. It goes through
+the same swapper as the controller's commands, so the freed slot tails become KV pages exactly as
+they do under morphing, and the baselines differ from morphing only in when the bits change.
 """
 
 import argparse
@@ -28,7 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
-# No quantization yet: every layer serves at the width of the engine's dtype.
+FULL_PRECISION = 16  # --static-bits 16: the dtype as loaded, whatever its width (float32 on CPU)
 
 
 def morph(engine, cmd: Command) -> dict:
@@ -133,6 +138,8 @@ class ExecutorService:
         cmd: Command = incoming.message
         key = (cmd.issuer, cmd.seq)
         result = self._commands.get(key)
+        # nats-py runs one subscription's callbacks one at a time, so a retry of a command still running
+        # waits behind it and is answered from the record below: a swap never runs twice.
         if result is None:
             result = await self._run_command(cmd)
             self._commands[key] = result
@@ -188,12 +195,12 @@ class ExecutorService:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
         stats, ledger = snap.stats, snap.stats.ledger
         return ExecutorTelemetry(
-            executor=self.id, time=time.time(), model=self.model_name, max_model_len=engine.max_model_len,
+            executor=self.id, time=snap.taken, model=self.model_name, max_model_len=engine.max_model_len,
             block_size=engine.config.block_size, page_bytes=engine.arena.page_bytes,
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
                        pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
-            layers=list(engine.model.layer_bits),
+            layers=snap.layers,
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
@@ -218,6 +225,18 @@ class ExecutorService:
 
 
 # --- process ------------------------------------------------------------------------------------
+def apply_static_bits(engine, executor_id: str, bits: int) -> None:
+    """Quantize every decoder layer to `bits` before serving; FULL_PRECISION leaves them as loaded."""
+    if bits == FULL_PRECISION:
+        return
+    before = engine.arena.ledger.snapshot()
+    report = engine.swapper.set_bits(list(range(len(engine.model.layer_bits))), bits)
+    after = engine.arena.ledger.snapshot()
+    log.info("executor %s: static INT%d: %d layers quantized in %.1f s, %d KV pages gained (%d -> %d, "
+             "%d more tokens)", executor_id, bits, len(report.layers), report.seconds, report.pages_released,
+             before.pages_kv, after.pages_kv, report.pages_released * engine.config.block_size)
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
@@ -230,6 +249,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--static-bits", type=int, default=FULL_PRECISION, choices=(FULL_PRECISION, 8, 4),
+                   help="bits of every decoder layer, fixed from the start: 8 or 4 are the static "
+                        "baselines, 16 is full precision as loaded (default %(default)s)")
+    p.add_argument("--lazy-variants", action="store_true",
+                   help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish at shutdown (default %(default)s)")
     return p.parse_args(argv)
@@ -241,10 +265,13 @@ def main(argv: list[str]) -> int:
     setup_tracing("executor")
     engine_config = replace(EngineConfig(), model=args.model, device=args.device, memory_budget=args.memory_budget,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_waiting=args.max_waiting, block_size=args.block_size)
+                            max_waiting=args.max_waiting, block_size=args.block_size,
+                            prepare_variants=not args.lazy_variants)
     config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config)
     try:
         service = ExecutorService(config)
+        # Before the worker thread starts, so the engine is still ours alone.
+        apply_static_bits(service.engine, config.executor_id, args.static_bits)
     except EngineError as exc:
         log.error("executor %s cannot start: %s", config.executor_id, exc)
         return 1

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.executor.engine.errors import InvalidRequestError, QueueFullError
 from services.executor.engine.sampling_params import SamplingParams
@@ -40,6 +40,8 @@ class Snapshot:
     """What the asyncio side may read about the engine, replaced whole by the engine thread."""
     stats: object  # EngineStats
     in_flight: int  # admitted requests not yet finished
+    layers: list[int]  # bits per decoder layer, never read halfway through a swap
+    taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None) -> Admission:
@@ -54,7 +56,7 @@ class EngineWorker:
         self.executor = executor
         self.model_name = model_name
         self.draining = False  # set by the service; admissions seen after it are refused
-        self.snapshot = Snapshot(engine.stats(), 0)
+        self.snapshot = Snapshot(engine.stats(), 0, list(engine.model.layer_bits))
         self.queue_delay = LatencyWindow(latency_window_s)
         self.ttft = LatencyWindow(latency_window_s)
         self.tpot = LatencyWindow(latency_window_s)
@@ -103,7 +105,7 @@ class EngineWorker:
                 self._apply_ops(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     self._step()
-                self.snapshot = Snapshot(self.engine.stats(), len(self._tracked))
+                self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
             except Exception:  # the thread is the executor: it must outlive any single failure
                 log.exception("executor %s: engine loop iteration failed", self.executor)
                 time.sleep(IDLE_WAIT_S)
@@ -113,7 +115,7 @@ class EngineWorker:
             if not self.engine.has_unfinished():
                 break
             self._step()
-        self.snapshot = Snapshot(self.engine.stats(), len(self._tracked))
+        self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
 
     def _apply_ops(self, wait: float) -> None:
         try:

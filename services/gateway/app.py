@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.completions import SPAN_SCOPE_KEY, generate, too_large
+from services.controller.loop import CommandSender
+from services.gateway import admin
+from services.gateway.completions import SPAN_SCOPE_KEY, generate, read_json, too_large
 from services.gateway.dispatch import Dispatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
@@ -31,8 +33,8 @@ from shared.telemetry import setup_tracing, tracer
 
 log = logging.getLogger("morphling.gateway")
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/health", "/ready",
-              "/metrics"}
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/v1/cluster/morph",
+              "/health", "/ready", "/metrics"}
 _OPEN_WHILE_DRAINING = {"/health", "/metrics"}
 
 
@@ -44,6 +46,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.bus: Bus | None = None
         self.dispatcher: Dispatcher | None = None
+        self.commands: CommandSender | None = None  # admin morph commands, issued as gateway-<id>
         self.draining = False
         self.in_flight = 0
 
@@ -152,6 +155,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gw.bus = await Bus.connect(config.nats_url, f"gateway-{config.gateway_id}")
         gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics)
         await gw.dispatcher.start()
+        gw.commands = CommandSender(gw.bus, f"gateway-{config.gateway_id}", admin.COMMAND_TIMEOUT_S,
+                                    admin.COMMAND_RETRIES)
         log.info("gateway %s connected to %s", config.gateway_id, config.nats_url)
         yield
         await gw.bus.close()
@@ -208,13 +213,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/cluster")
     async def cluster():
-        state = gw.dispatcher.state
-        return {"executors": [{"id": e.executor, "alive": e.alive, "model": e.telemetry.model,
-                               "draining": e.telemetry.draining, "layers": e.telemetry.layers,
-                               "kv": {k: getattr(e.telemetry.kv, k) for k in
-                                      ("pages_total", "pages_free", "pages_base", "pages_extension")},
-                               "running": e.telemetry.running, "waiting": e.telemetry.waiting}
-                              for e in (state.executors if state else [])]}
+        return {"executors": admin.cluster_view(gw.dispatcher.state)}
+
+    @app.post("/v1/cluster/morph", openapi_extra=_body_schema(admin.MorphRequest))
+    async def cluster_morph(request: Request):
+        return await admin.morph(gw.dispatcher, gw.commands, await read_json(gw, request))
 
     # Bodies are parsed by hand (OpenAI's 400s, not FastAPI's 422s); the schema is still published so that
     # clients and fuzzers know the shape.

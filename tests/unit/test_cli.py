@@ -1,5 +1,6 @@
 """The `morphling` command line and the process orchestration of `morphling up`, without the services."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from services import up
 from services.cli import COMMANDS
-from services.up import Cluster
+from services.controller.service import parse_setting, read_swap_order
+from services.up import Cluster, parse_args, refused
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,17 +36,71 @@ def test_unknown_subcommand_is_a_usage_error():
     assert "invalid choice" in result.stderr
 
 
-@pytest.mark.parametrize("args, flag", [(["--mode", "default"], "--mode default"),
-                                        (["--static-bits", "4"], "--static-bits 4"),
-                                        (["--static-bits", "8"], "--static-bits 8")])
-def test_up_refuses_morphing_options_at_once(args, flag):
+@pytest.mark.parametrize("mode, bits", [("default", "8"), ("performance", "4"), ("accuracy", "8")])
+def test_up_refuses_morphing_on_top_of_static_bits_at_once(mode, bits):
     started = time.monotonic()
-    result = run_cli("up", "--port", "1", *args, timeout=30)
+    result = run_cli("up", "--port", "1", "--mode", mode, "--static-bits", bits, timeout=30)
     assert result.returncode == 2
-    assert flag in result.stderr and "morphing support" in result.stderr
+    assert f"--mode {mode}" in result.stderr and f"--static-bits {bits}" in result.stderr
+    assert "static baselines run with --mode off" in result.stderr
     # Refused before anything starts: no log directory announced, no child waited for.
     assert "logs in" not in result.stderr and "ready" not in result.stdout
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("argv", [[], ["--mode", "performance"], ["--mode", "accuracy", "--static-bits", "16"],
+                                  ["--static-bits", "8"], ["--mode", "off", "--static-bits", "4"]])
+def test_up_accepts_morphing_modes_and_static_baselines(argv):
+    assert refused(parse_args(argv)) is None
+
+
+def test_up_passes_the_mode_to_the_controller_and_the_bits_to_every_executor(tmp_path, monkeypatch):
+    started: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(Cluster, "start_service",
+                        lambda self, role, args, name=None: started.append((role, list(args))))
+    monkeypatch.setattr(up, "_wait_and_serve", lambda *a: 0)
+    assert up.main(["--nats", "nats://127.0.0.1:1", "--executors", "2", "--mode", "performance",
+                    "--run-dir", str(tmp_path)]) == 0
+    (controller,) = [args for role, args in started if role == "controller"]
+    assert controller[controller.index("--mode") + 1] == "performance"
+    executors = [args for role, args in started if role == "executor"]
+    assert len(executors) == 2 and all(a[a.index("--static-bits") + 1] == "16" for a in executors)
+    started.clear()
+    assert up.main(["--nats", "nats://127.0.0.1:1", "--static-bits", "4", "--run-dir", str(tmp_path)]) == 0
+    (controller,) = [args for role, args in started if role == "controller"]
+    assert controller[controller.index("--mode") + 1] == "off"
+    (executor,) = [args for role, args in started if role == "executor"]
+    assert executor[executor.index("--static-bits") + 1] == "4"
+
+
+@pytest.mark.parametrize("args, complaint", [
+    (["--mode", "fast"], "invalid choice"),
+    (["--morph-set", "no_such_setting=1"], "unknown morph setting"),
+    (["--morph-set", "kv_high"], "key=value"),
+    (["--mode", "performance", "--morph-set", "kv_low=0.9"], "kv_low < kv_high"),
+    (["--swap-order", "/no/such/profile.json"], "cannot read the swap order"),
+])
+def test_controller_rejects_bad_morph_settings_before_connecting(args, complaint):
+    result = run_cli("controller", "--nats", "nats://127.0.0.1:1", *args, timeout=30)
+    assert result.returncode == 2
+    assert complaint in result.stderr
+
+
+def test_controller_reads_a_profile_swap_order(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"order": [3, 0, 2, 1], "scores": {"0": 0.1}}))
+    assert read_swap_order(str(profile)) == (3, 0, 2, 1)
+    profile.write_text(json.dumps({"scores": {}}))
+    with pytest.raises(ValueError, match="no swap order"):
+        read_swap_order(str(profile))
+    assert parse_setting("bits_order=[8]") == ("bits_order", (8,))
+    assert parse_setting("kv_high=0.85") == ("kv_high", 0.85)
+
+
+def test_executor_static_bits_take_16_8_or_4_only():
+    result = run_cli("executor", "--static-bits", "2", timeout=60)
+    assert result.returncode == 2
+    assert "--static-bits" in result.stderr and "invalid choice" in result.stderr
 
 
 def test_up_rejects_a_bad_memory_budget():

@@ -27,6 +27,7 @@ from services.executor.engine.scheduler import Scheduler
 from services.executor.engine.swapper import LayerSwapper
 from services.executor.engine.sequence import Sequence, Status
 from services.executor.engine.tokenizer import Tokenizer
+from services.executor.engine.variants import VariantStore, calibration_windows
 from shared.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         self.runner = ModelRunner(self.model, config.block_size, config.device)
-        self.swapper = LayerSwapper(self.model, self.arena, self.scheduler)
+        windows = calibration_windows(self.tokenizer, window=min(512, self.max_model_len)) if config.awq else None
+        self.variants = VariantStore(self.model, checkpoint.fingerprint(), config.variant_bits, config.awq,
+                                     config.variant_cache_dir, config.host_memory_cap, windows)
+        if config.prepare_variants:
+            self.variants.prepare(progress)
+        self.swapper = LayerSwapper(self.model, self.arena, self.scheduler, self.variants)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, list[Sequence]] = {}
         self._text: dict[int, TextStream] = {}

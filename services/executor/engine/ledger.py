@@ -103,14 +103,6 @@ class PageLedger:
     def free_outside(self, avoid: Container[int]) -> int:
         return sum(1 for p in self._free if p not in avoid)
 
-    def take(self, page: int) -> None:
-        """Allocate a specific free page (used when KV must move to a chosen place)."""
-        self._check_page(page)
-        if page not in self._free:
-            raise LedgerError(f"page {page} is not free")
-        self._free.discard(page)
-        self._refcount[page] = 1
-
     def incref(self, page: int) -> None:
         self._check_used(page)
         self._refcount[page] += 1

@@ -4,8 +4,8 @@ Quantizing writes the layer's INT8/INT4 variant into the start of its own slot a
 it no longer fills to the KV free list in the same call. Restoring first moves live KV blocks out of
 those pages (page copy + block-table patch for every sequence that holds them), takes them back into
 the slot, and only then writes full precision back. Calls happen between engine steps, so requests
-running across a swap keep their KV and continue. Full-precision copies of swapped layers and their
-variants are kept in host memory, built the first time a layer is swapped.
+running across a swap keep their KV and continue. Full-precision copies and variants come from a
+VariantStore (variants.py), built ahead of the first swap, so a swap only copies.
 """
 
 import time
@@ -15,9 +15,9 @@ import torch
 
 from services.executor.engine.arena import Arena
 from services.executor.engine.errors import EngineError
-from services.executor.engine.model import LINEARS, DecoderModel, layer_layout, variant_layout
-from services.executor.engine.quant import int4_group, quantize_int4, quantize_int8
+from services.executor.engine.model import DecoderModel, layer_layout, variant_layout
 from services.executor.engine.scheduler import Scheduler
+from services.executor.engine.variants import VariantStore
 
 
 class SwapError(EngineError):
@@ -35,17 +35,17 @@ class SwapReport:
 
 
 class LayerSwapper:
-    def __init__(self, model: DecoderModel, arena: Arena, scheduler: Scheduler):
+    def __init__(self, model: DecoderModel, arena: Arena, scheduler: Scheduler, store: VariantStore | None = None):
+        """`store` defaults to an in-memory one (no disk cache, no cap), prepared at the first swap."""
         self.model = model
         self.arena = arena
         self.scheduler = scheduler
+        self.store = store if store is not None else VariantStore(model, fingerprint=None)
         self._fp_views = list(model.layers)  # the slot's full-precision views, to switch back to
-        self._fp_copy: dict[int, dict[str, torch.Tensor]] = {}
-        self._variants: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         dtype = model.dtype
         self._layouts = {model.full_bits: {k: (o, s, dtype) for k, (o, s) in layer_layout(model.cfg, dtype)[0].items()}}
         self._pages = {model.full_bits: arena.slot_pages}
-        for bits in (8, 4):
+        for bits in self.store.bits:
             layout, nbytes = variant_layout(model.cfg, dtype, bits)
             self._layouts[bits] = layout
             self._pages[bits] = arena.geometry.pages_for_bytes(nbytes)
@@ -111,32 +111,17 @@ class LayerSwapper:
 
     # --- weights ------------------------------------------------------------------------------
     def _write(self, layer: int, bits: int) -> None:
-        if layer not in self._fp_copy:
-            self._fp_copy[layer] = {k: v.clone() for k, v in self._fp_views[layer].items()}
+        # The store is asked before the slot is written: its first use builds from full-precision slots.
         if bits == self.model.full_bits:
+            fp = self.store.full(layer)
             for name, view in self._fp_views[layer].items():
-                view.copy_(self._fp_copy[layer][name])
+                view.copy_(fp[name], non_blocking=True)  # held entries are pinned on CUDA
             self.model.layers[layer] = self._fp_views[layer]
         else:
+            variant = self.store.get(layer, bits)
             views = {name: self.arena.slot_view(layer, off, shape, dtype)
                      for name, (off, shape, dtype) in self._layouts[bits].items()}
-            for name, tensor in self._variant(layer, bits).items():
-                views[name].copy_(tensor)
+            for name, tensor in variant.items():
+                views[name].copy_(tensor, non_blocking=True)
             self.model.layers[layer] = views
         self.model.layer_bits[layer] = bits
-
-    def _variant(self, layer: int, bits: int) -> dict[str, torch.Tensor]:
-        key = (layer, bits)
-        if key not in self._variants:
-            fp = self._fp_copy[layer]
-            variant = {}
-            for name in LINEARS:
-                if bits == 8:
-                    q = quantize_int8(fp[name])
-                    variant |= {f"{name}.q": q.qweight, f"{name}.scale": q.scale}
-                else:
-                    q = quantize_int4(fp[name], int4_group(fp[name].shape[1]))
-                    variant |= {f"{name}.q": q.packed, f"{name}.scale": q.scale, f"{name}.zero": q.zero}
-            variant |= {name: fp[name] for name in ("input_norm", "post_attn_norm", "qkv_bias") if name in fp}
-            self._variants[key] = variant
-        return self._variants[key]

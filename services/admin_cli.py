@@ -1,0 +1,156 @@
+"""`morphling morph` and `morphling status`: the admin endpoints of a gateway, from a terminal.
+
+They speak HTTP to the gateway rather than NATS to the executors, so an operator needs nothing but
+the gateway's URL and an admin key; the gateway's CommandSender keeps the commands idempotent and
+audited exactly like the controller's.
+
+Layer bits are printed run-length encoded in layer order, `BITSxCOUNT` per run: `8x4 32x26` means
+layers 0-3 hold 8-bit weights and layers 4-29 full precision (32 on CPU, 16 on GPUs).
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT_S = 120.0  # a morph waits for the executors to apply it, which a busy CPU executor makes slow
+
+
+def layer_runs(layers: list[int]) -> str:
+    """Bits per layer as runs in layer order, e.g. [8, 8, 32] -> "8x2 32x1"."""
+    runs: list[list[int]] = []
+    for bits in layers:
+        if runs and runs[-1][0] == bits:
+            runs[-1][1] += 1
+        else:
+            runs.append([bits, 1])
+    return " ".join(f"{bits}x{count}" for bits, count in runs) or "-"
+
+
+def index_ranges(indices: list[int]) -> str:
+    """Layer indices as ranges, e.g. [0, 1, 2, 7] -> "0-2,7"."""
+    parts: list[list[int]] = []
+    for i in sorted(indices):
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "-"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def cluster_table(executors: list[dict]) -> str:
+    rows = [[e["id"], "yes" if e["alive"] else "NO", e["running"], e["waiting"], e["kv"]["pages_total"],
+             e["kv"]["pages_free"], e["kv"]["pages_base"], e["kv"]["pages_extension"], layer_runs(e["layers"])]
+            for e in executors]
+    if not rows:
+        return "no executors"
+    return table(["EXECUTOR", "ALIVE", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE", "KV_EXT",
+                  "LAYER_BITS"], rows)
+
+
+def results_table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        s = r.get("state") or {}
+        rows.append([r["executor"], "ok" if r["ok"] else "REFUSED", index_ranges(s.get("changed", [])),
+                     s.get("bits", "-"), s.get("pages_released", "-"), s.get("pages_reclaimed", "-"),
+                     s.get("blocks_relocated", "-"), f"{s['seconds']:.3f}" if "seconds" in s else "-",
+                     r.get("error") or ""])
+    return table(["EXECUTOR", "RESULT", "LAYERS", "BITS", "RELEASED", "RECLAIMED", "RELOCATED", "SECONDS",
+                  "ERROR"], rows)
+
+
+def _default_admin_key() -> str | None:
+    keys = [k.strip() for k in os.environ.get("MORPHLING_ADMIN_KEYS", "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, help="the gateway's base URL (default %(default)s)")
+    parser.add_argument("--admin-key", default=_default_admin_key(),
+                        help="admin key (default: the first of $MORPHLING_ADMIN_KEYS; none when unset)")
+
+
+def _call(prog: str, method: str, url: str, key: str | None, body: dict | None = None) -> tuple[int, dict] | None:
+    """(status, JSON body), or None after printing why the gateway could not be asked."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.request(method, url, json=body, headers=headers, timeout=TIMEOUT_S)
+        return r.status_code, r.json()
+    except httpx.HTTPError as exc:
+        print(f"{prog}: cannot reach {url}: {exc}", file=sys.stderr)
+    except ValueError:
+        print(f"{prog}: {url} answered {r.status_code} without JSON: {r.text[:200]!r}", file=sys.stderr)
+    return None
+
+
+def _report_error(prog: str, status: int, body: dict) -> None:
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        print(f"{prog}: {status} {err.get('code') or err.get('type')}: {err.get('message')}", file=sys.stderr)
+    else:
+        print(f"{prog}: {status}: {body}", file=sys.stderr)
+
+
+def _quiet_httpx() -> None:
+    # `morphling` turns INFO logging on for the services; httpx would log every request at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def status_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="morphling status", description="print the cluster as a gateway sees it",
+                                     epilog="LAYER_BITS: runs in layer order, BITSxCOUNT (8x4 32x26: layers "
+                                            "0-3 at 8 bits, 4-29 at full precision)")
+    _common(parser)
+    args = parser.parse_args(argv)
+    _quiet_httpx()
+    answer = _call(parser.prog, "GET", f"{args.url.rstrip('/')}/v1/cluster", args.admin_key)
+    if answer is None:
+        return 1
+    status, body = answer
+    if status != 200:
+        _report_error(parser.prog, status, body)
+        return 1
+    print(cluster_table(body["executors"]))
+    return 0
+
+
+def morph_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="morphling morph", description="quantize or restore decoder layers "
+                                     "through a gateway, answered once the executors applied it")
+    _common(parser)
+    parser.add_argument("--executor", required=True, help="an executor id, or '*' for every live executor")
+    parser.add_argument("--action", required=True, choices=("quantize", "restore"))
+    parser.add_argument("--layers", required=True, type=int,
+                        help="how many layers (quantize: next full-precision ones front to back; restore: the "
+                             "last quantized first)")
+    parser.add_argument("--bits", type=int, choices=(4, 8), help="target bits, required for quantize")
+    args = parser.parse_args(argv)
+    if args.action == "quantize" and args.bits is None:
+        parser.error("--bits is required for quantize")
+    if args.action == "restore" and args.bits is not None:
+        parser.error("restore returns layers to full precision and takes no --bits")
+    _quiet_httpx()
+    body = {"executor": args.executor, "action": args.action, "layers": args.layers}
+    if args.bits is not None:
+        body["bits"] = args.bits
+    answer = _call(parser.prog, "POST", f"{args.url.rstrip('/')}/v1/cluster/morph", args.admin_key, body)
+    if answer is None:
+        return 1
+    status, reply = answer
+    if status != 200:
+        _report_error(parser.prog, status, reply)
+        return 1
+    print(results_table(reply["results"]))
+    print()
+    print(cluster_table(reply["executors"]))
+    return 0 if all(r["ok"] for r in reply["results"]) else 1

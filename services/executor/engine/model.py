@@ -152,6 +152,7 @@ class DecoderModel:
         layout, _ = layer_layout(cfg, dtype)
         self.full_bits = torch.finfo(dtype).bits
         self.layer_bits = [self.full_bits] * cfg.num_layers  # what each layer's slot holds now
+        self.layer_ready: list = [None] * cfg.num_layers  # CUDA event of a swap still copying into the slot
         self.layers = []
         for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
             views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
@@ -184,6 +185,9 @@ class DecoderModel:
         kv_cache = self.arena.kv_cache
         for index, w in enumerate(self.layers):
             bits = self.layer_bits[index]
+            if self.layer_ready[index] is not None:  # a swap's copy into this slot: wait for it, once
+                torch.cuda.current_stream().wait_event(self.layer_ready[index])
+                self.layer_ready[index] = None
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
             qkv = linear(h, w, "qkv_proj", bits, w.get("qkv_bias"))
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

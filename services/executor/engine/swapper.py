@@ -42,6 +42,8 @@ class LayerSwapper:
         self.scheduler = scheduler
         self.store = store if store is not None else VariantStore(model, fingerprint=None)
         self._fp_views = list(model.layers)  # the slot's full-precision views, to switch back to
+        on_cuda = arena.buffer.is_cuda
+        self._side = torch.cuda.Stream(device=arena.buffer.device) if on_cuda else None
         dtype = model.dtype
         self._layouts = {model.full_bits: {k: (o, s, dtype) for k, (o, s) in layer_layout(model.cfg, dtype)[0].items()}}
         self._pages = {model.full_bits: arena.slot_pages}
@@ -113,15 +115,23 @@ class LayerSwapper:
     def _write(self, layer: int, bits: int) -> None:
         # The store is asked before the slot is written: its first use builds from full-precision slots.
         if bits == self.model.full_bits:
-            fp = self.store.full(layer)
-            for name, view in self._fp_views[layer].items():
-                view.copy_(fp[name], non_blocking=True)  # held entries are pinned on CUDA
-            self.model.layers[layer] = self._fp_views[layer]
+            source, views = self.store.full(layer), self._fp_views[layer]
         else:
-            variant = self.store.get(layer, bits)
+            source = self.store.get(layer, bits)
             views = {name: self.arena.slot_view(layer, off, shape, dtype)
                      for name, (off, shape, dtype) in self._layouts[bits].items()}
-            for name, tensor in variant.items():
-                views[name].copy_(tensor, non_blocking=True)
-            self.model.layers[layer] = views
+        if self._side is None:
+            for name, tensor in source.items():
+                views[name].copy_(tensor)
+        else:
+            # The copy runs beside the compute stream, after every kernel queued so far (one may still be
+            # reading these bytes, or the KV just moved out of them); the layer's next use waits on its event.
+            self._side.wait_stream(torch.cuda.current_stream(self._side.device))
+            with torch.cuda.stream(self._side):
+                for name, tensor in source.items():
+                    views[name].copy_(tensor, non_blocking=True)  # held entries are pinned host memory
+                ready = torch.cuda.Event()
+                ready.record(self._side)
+            self.model.layer_ready[layer] = ready
+        self.model.layers[layer] = views
         self.model.layer_bits[layer] = bits

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -49,7 +50,7 @@ def _source_name(name: str, globals_: dict[str, str], layer_names: dict[str, str
     raise KeyError(name)
 
 
-class Checkpoint:
+class Checkpoint(ABC):
     """A parsed checkpoint: its config plus on-demand access to each canonical tensor.
 
     Tensors are read only when asked for, so a caller copying them one at a time into its own
@@ -74,8 +75,9 @@ class Checkpoint:
         tensor = self._read(name)
         return tensor.to(torch.float32).contiguous()
 
+    @abstractmethod
     def _read(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor `name` in the checkpoint's own dtype (each format reads its files its own way)."""
 
     def fingerprint(self) -> str:
         # Names, sizes and mtimes catch a rewritten file even when its header (shapes) is unchanged,

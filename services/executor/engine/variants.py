@@ -39,7 +39,7 @@ from kernels.prefill_attention import prefill_attention
 from services.executor.engine.model import LINEARS, DecoderModel, layer_layout, rotate, variant_layout
 from services.executor.engine.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
 
-FORMAT_VERSION = 1  # bump when what a cache directory holds changes meaning
+FORMAT_VERSION = 2  # 2: AWQ scales INT4 only. Bump when what a cache directory holds changes meaning
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/variants")
 DEFAULT_CORPUS = Path(__file__).resolve().parents[4] / "shared" / "data" / "corpora" / "wikitext-2-test.txt"
 AWQ_ALPHA = 0.5
@@ -242,7 +242,9 @@ class VariantStore:
             for layer in tqdm(range(len(model.layers)), desc="building layer variants", unit="layer",
                               disable=not progress):
                 fp = {name: view.clone() for name, view in model.layers[layer].items()}
-                entries = {self.full_bits: fp} | {b: quantize_layer(fp, b, scales[layer]) for b in self.bits}
+                # AWQ pays off at 4 bits only: at 8 it made gate_up_proj worse (docs/benchmarks.md)
+                entries = {self.full_bits: fp} | {b: quantize_layer(fp, b, scales[layer] if b == 4 else None)
+                                                  for b in self.bits}
                 self.counters["quantized"] += 1
                 for kind, tensors in entries.items():
                     if tmp is not None:

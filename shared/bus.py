@@ -81,6 +81,14 @@ class Incoming:
 Handler = Callable[[Incoming], Awaitable[None]]
 
 
+async def unsubscribe(subscription) -> None:
+    """Stop a subscription from Bus.subscribe; with the connection already gone there is nothing to undo."""
+    try:
+        await subscription.unsubscribe()
+    except Exception as exc:  # nats-py raises several unrelated types on a closed connection
+        log.debug("unsubscribe failed: %s", exc)
+
+
 class Bus:
     def __init__(self, nc: nats.NATS, name: str):
         self._nc = nc

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming
+from shared.bus import Bus, BusError, Incoming, unsubscribe
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, Command, CommandResult, Event
 from shared.telemetry import tracer
@@ -136,10 +136,7 @@ class Controller:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # the connection may already be gone; nothing left to undo
-                log.debug("unsubscribe failed: %s", exc)
+            await unsubscribe(self._sub)
             self._sub = None
         tasks = [t for t in [self._runner, *self._busy.values()] if t is not None]
         for task in tasks:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from services.executor.engine.errors import EngineError
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming
+from shared.bus import Bus, BusError, Incoming, unsubscribe
 from shared.config import EngineConfig, ExecutorConfig, parse_size
 from shared.messages import Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages
 from shared.telemetry import setup_tracing
@@ -117,7 +117,7 @@ class ExecutorService:
             log.warning("executor %s: aborting %d requests still in flight after %.1f s", self.id,
                         self.worker.snapshot.in_flight, drain_timeout_s)
         for sub in self._subs:
-            await sub.unsubscribe()
+            await unsubscribe(sub)
         await asyncio.to_thread(self.worker.join)  # aborts what is left; its final deltas are queued
         self._tasks[1].cancel()
         await self._outbox.put(None)  # the publisher sends everything queued, then ends

@@ -14,7 +14,7 @@ import sys
 import time
 
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming
+from shared.bus import Bus, BusError, Incoming, unsubscribe
 from shared.config import MonitorConfig
 from shared.messages import Event, ExecutorTelemetry
 from shared.telemetry import setup_tracing
@@ -40,10 +40,7 @@ class MonitorService:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # the connection may already be gone; nothing left to undo
-                log.debug("unsubscribe failed: %s", exc)
+            await unsubscribe(self._sub)
             self._sub = None
         if self._task is not None:
             self._task.cancel()

@@ -17,10 +17,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.sampling_params import SamplingParams
@@ -30,7 +26,7 @@ from shared.bus import Bus
 from shared.config import EngineConfig, ExecutorConfig
 from shared.messages import (Admission, Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest,
                              SamplingOptions, TokenBatch, TokenDelta)
-from shared.telemetry import setup_tracing, tracer
+from shared.telemetry import tracer
 from tests.checkpoints import write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,16 +44,6 @@ def tiny(tmp_path_factory):
     path = write_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model")
     return LLMEngine(EngineConfig(model=str(path), memory_budget=4 << 20, block_size=8, max_model_len=256,
                                   max_num_seqs=2, max_waiting=2), progress=False)
-
-
-@pytest.fixture(scope="module")
-def spans():
-    exporter = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # the global provider can be installed only once per process
-        provider = setup_tracing("test")
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
 
 
 class Gateway:

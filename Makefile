@@ -3,7 +3,7 @@ PORT ?= 8000
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: install install-test test up bench-engine clean
+.PHONY: install install-test test up bench bench-engine clean
 
 # What serving needs.
 $(VENV)/.installed: pyproject.toml
@@ -31,7 +31,11 @@ test: install-test
 up: install
 	$(VENV)/bin/morphling up --port $(PORT)
 
-# The benchmark compares against transformers, a test-only dependency.
+# The bursty-trace benchmark: full precision vs static INT4 vs morphing, each a whole system (~7 min on CPU).
+bench: install
+	$(VENV)/bin/morphling bench --out bench-results
+
+# The engine benchmark compares against transformers, a test-only dependency.
 bench-engine: install-test
 	$(VENV)/bin/morphling bench-engine
 

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("services.controller.service", "morphs executors under load, cheapest lever first"),
     "bench-engine": ("services.executor.engine.bench",
                      "offline generation throughput: our engine vs transformers.generate"),
+    "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
     "profile": ("services.executor.engine.profile", "rank decoder layers by importance (LIS) into a swap order"),
     "eval": ("services.executor.engine.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
     "morph": ("services.admin_cli:morph_main", "quantize or restore layers by hand through a gateway"),

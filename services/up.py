@@ -192,6 +192,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda (executor i on cuda:i), or one explicit device for every executor")
     ap.add_argument("--memory-budget", help="bytes of each executor's page arena, e.g. 2GiB")
+    ap.add_argument("--max-model-len", type=int,
+                    help="longest sequence (prompt + output) served; default: the model's own context")
     ap.add_argument("--mode", default="off", choices=("off", *MORPHING_MODES),
                     help="how eagerly the controller morphs under load (default %(default)s)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
@@ -203,6 +205,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.executors < 1:
         ap.error("--executors must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        ap.error("--max-model-len must leave room for a prompt and an output token")
     if args.memory_budget is not None:
         try:
             parse_size(args.memory_budget)
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--device", executor_device(args.device, i), "--static-bits", str(args.static_bits)]
             if args.memory_budget is not None:
                 exec_args += ["--memory-budget", args.memory_budget]
+            if args.max_model_len is not None:
+                exec_args += ["--max-model-len", str(args.max_model_len)]
             cluster.start_service("executor", exec_args, name=f"exec{i}")
         cluster.start_service("gateway", ["--nats", nats_url, "--host", args.host, "--port", str(args.port)])
 

@@ -4,7 +4,14 @@ Every rung of the ladder reacts to a noisy signal: one slow window must not quan
 brief lull must not restore one only for the next burst to quantize it again, each swap costing a
 copy and, on the way back, KV moves. So a rung steps *up* ("enter") after `enter_after` consecutive
 pressure windows, steps *down* ("leave") after `leave_after` consecutive calm windows, and never
-turns round before `min_dwell_s` has passed since its last step.
+steps down sooner than `min_dwell_s` after it stepped up (DESIGN.md: "leave after m windows below the
+low mark and a minimum dwell").
+
+The dwell holds only that turn. A burst that follows a restore is met after its own `enter_after`
+windows: holding it for the dwell too would leave the burst queueing on the smaller cache for the
+whole dwell (measured with `morphling bench`: ten seconds of rising TTFT after a restore that came
+just before a burst), while turning up quickly costs one copy. Direction changes stay bounded: each
+round trip up and down takes at least `min_dwell_s`.
 
 The state is a frozen dataclass and `advance` is a pure function of (params, state, window), so a
 policy that keeps it can itself stay a pure function of its inputs and be replayed in the
@@ -21,7 +28,7 @@ Direction = Literal["enter", "leave"]
 class HysteresisParams:
     enter_after: int  # consecutive pressure windows before stepping up
     leave_after: int  # consecutive calm windows before stepping down
-    min_dwell_s: float  # no turning round sooner than this after the last step
+    min_dwell_s: float  # no stepping down sooner than this after a step up
 
     def __post_init__(self) -> None:
         if self.enter_after < 1 or self.leave_after < 1:
@@ -59,8 +66,8 @@ def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, ca
     needed = params.enter_after if pressure else params.leave_after
     if count < needed:
         return None, state
-    turning = state.last_direction is not None and state.last_direction != want
-    if turning and state.last_change is not None and now - state.last_change < params.min_dwell_s:
+    turning_down = want == "leave" and state.last_direction == "enter"
+    if turning_down and state.last_change is not None and now - state.last_change < params.min_dwell_s:
         # Keep the run counting: it fires on the first window after the dwell if it still holds.
         return None, state
     # Both runs restart, so the next step in the same direction needs a full run of its own.

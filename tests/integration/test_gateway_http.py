@@ -144,7 +144,9 @@ def test_health_ready_models_cluster_metrics(start_gateway, test_bus):
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 2048
     cluster = httpx.get(f"{base}/v1/cluster").json()["executors"]
     assert [(e["id"], e["alive"]) for e in cluster] == [("e0", True), ("e1", False)]
-    assert cluster[0]["kv"] == {"pages_total": 100, "pages_free": 50, "pages_base": 50, "pages_extension": 10}
+    assert cluster[0]["kv"] == {"pages_total": 100, "pages_slot": 40, "pages_free": 50, "pages_used": 10,
+                                "pages_base": 50, "pages_extension": 10}
+    assert (cluster[0]["block_size"], cluster[0]["preemptions"]) == (16, 0)
     assert cluster[0]["layers"] == [16, 16, 8, 4] and (cluster[0]["running"], cluster[0]["waiting"]) == (1, 2)
     text = httpx.get(f"{base}/metrics").text
     for name in ("morphling_time_to_first_token_seconds", "morphling_inter_token_latency_seconds",

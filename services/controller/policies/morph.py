@@ -53,7 +53,7 @@ class MorphSettings:
     queue_delay_low_s: float = 0.25
     enter_windows: int = 3  # k: consecutive pressure windows (cluster states) per quantize step
     leave_windows: int = 10  # m: consecutive calm windows per restore step
-    min_dwell_s: float = 10.0  # no turning round sooner than this after the last step
+    min_dwell_s: float = 10.0  # no restore sooner than this after a quantize
     step: int = 2  # layers per command
     max_layers: int = 8  # layers quantized at most, counting every quantized layer
     bits_order: tuple[int, ...] = (8, 4)

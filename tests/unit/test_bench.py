@@ -1,0 +1,196 @@
+"""`morphling bench`'s pieces without a system: traces, prompts, metrics, the perplexity lookup, plots."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.bench.client import ClusterSample, RequestRecord
+from services.bench.metrics import percentile, precision_share, preemptions, summarize, timeline
+from services.bench.plots import plot_timeline, plot_ttft_cdf
+from services.bench.prompts import PromptPool, fit, read_texts
+from services.bench.quality import PerplexityTable, quality
+from services.bench.run import comparison, mode_result, parse_args
+from services.bench.trace import TraceError, arrival_rate, load_trace, read_rows, scale_lengths
+from tests.data import data_dir
+
+AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+         "2023-11-16 18:15:46.6805900,374,44\r\n"
+         "2023-11-16 18:15:47.1805900,100,10\r\n"
+         "2023-11-16 18:15:50.0000000,5000,400\r\n"
+         "2023-11-16 18:15:56.6805900,20,3\r\n")
+BURSTGPT = ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+            "5.0,ChatGPT,200,0,200,Conversation log\n"  # a failed request: nothing to ask for
+            "7.5,ChatGPT,300,30,330,Conversation log\n"
+            "6.0,GPT-4,50,5,55,API log\n")
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(text.encode())
+    return path
+
+
+def test_azure_trace_keeps_gaps_and_scales_time_and_lengths(tmp_path):
+    path = write(tmp_path, "azure.csv", AZURE)
+    rows = read_rows(path)
+    assert [round(r.time_s, 4) for r in rows] == [0.0, 0.5, 3.3194, 10.0]
+    reqs = load_trace(path, start_s=0.4, duration_s=10.0, rate_scale=0.5, len_scale=0.1, max_len=256)
+    # the window [0.4, 10.4) drops the first row; times are relative to its start, then stretched 2x
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.2, (3.31941 - 0.4) * 2, 19.2])
+    assert [(r.prompt_tokens, r.output_tokens) for r in reqs] == [(10, 1), (256 - 40, 40), (2, 1)]
+
+
+def test_burstgpt_trace_sorts_by_time_and_skips_failed_requests(tmp_path):
+    path = write(tmp_path, "burst.csv", BURSTGPT)
+    reqs = load_trace(path, 0.0, 100.0)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(1.0, 50, 5), (2.5, 300, 30)]
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("a,b\n1,2\n", (0, 10), "neither the Azure columns"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", (0, 10), "no requests"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,x,3\n", (0, 10), "line 2"),
+    (AZURE, (100, 10), "no request arrives in [100, 110) s"),
+    (AZURE, (0, 0), "duration > 0"),
+])
+def test_bad_traces_and_windows_fail_with_the_reason(tmp_path, text, args, message):
+    path = write(tmp_path, "t.csv", text)
+    with pytest.raises(TraceError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_trace(path, *args)
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "missing.csv", 0, 10)
+
+
+@given(st.integers(0, 100_000), st.integers(0, 100_000), st.floats(0.001, 10), st.integers(2, 8192))
+def test_scaled_lengths_always_fit_the_context(prompt, output, scale, max_len):
+    p, o = scale_lengths(prompt, output, scale, max_len)
+    assert p >= 1 and o >= 1 and p + o <= max_len and o <= max(1, max_len // 2)
+
+
+def test_the_default_window_is_calm_then_a_burst_then_calm():
+    a = parse_args(["--data", str(data_dir())])
+    reqs = load_trace(data_dir() / "traces" / a.trace.name, a.start, a.duration, a.rate_scale, a.len_scale, a.max_len)
+    rates = arrival_rate([r.arrival_s for r in reqs], 20.0, 100.0)
+    assert len(reqs) == 60 and rates[2] > 2 * max(rates[0], rates[-1])
+    assert all(r.prompt_tokens + r.output_tokens <= a.max_len for r in reqs)
+
+
+def test_prompts_are_real_text_of_the_exact_length():
+    texts = read_texts(data_dir() / "prompts")
+    assert len(texts) == 1000 + 252
+    pool = PromptPool(texts, lambda t: [ord(c) for c in t], seed=1)
+    for length in (1, 7, 300, 5000):
+        ids = pool.take(length)
+        assert len(ids) == length
+    assert fit([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1] and fit([1, 2, 3], 2) == [1, 2]
+    with pytest.raises(ValueError, match="encodes to any token"):
+        PromptPool(["x"], lambda t: []).take(3)
+
+
+def test_percentile_matches_numpy():
+    values = [0.3, 5.0, 1.2, 0.7, 9.9, 2.2, 0.1]
+    for q in (0, 50, 95, 99, 100):
+        assert math.isclose(percentile(values, q), float(np.percentile(values, q)))
+    assert percentile([], 50) is None
+
+
+def record(i, sent, ttft, tokens, error=None, step=0.1):
+    r = RequestRecord(i, scheduled_s=sent, prompt_tokens=10, output_tokens=tokens, sent_s=sent)
+    if ttft is not None:
+        r.chunk_s = [sent + ttft + k * step for k in range(tokens)]
+        r.completion_tokens = tokens if error is None else tokens - 1
+    if error is None:
+        r.done_s = r.chunk_s[-1]
+    r.error = error
+    return r
+
+
+def executor(layers, used=10, base=100, extension=0, preempted=0, ident="e0"):
+    return {"id": ident, "alive": True, "layers": layers, "block_size": 16, "running": 1, "waiting": 0,
+            "preemptions": preempted, "kv": {"pages_base": base, "pages_extension": extension, "pages_used": used}}
+
+
+def test_summary_counts_failures_as_violations_and_measures_what_finished():
+    records = [record(0, 0.0, 0.5, 11), record(1, 1.0, 3.0, 11), record(2, 2.0, 0.2, 5, error="boom"),
+               record(3, 3.0, None, 5, error="HTTP 429: busy")]
+    samples = [ClusterSample(0.0, [executor([16] * 4, preempted=2)]),
+               ClusterSample(2.0, [executor([8, 8, 16, 16], used=40, extension=30, preempted=5)])]
+    s = summarize(records, samples, slo_ttft_s=1.0)
+    assert (s["request_count"], s["finished"], s["failed"]) == (4, 2, 2)
+    assert s["slo_violation_pct"] == 75.0  # one too slow, two failed
+    assert math.isclose(s["ttft_p50"], 0.5) and s["tpot_p50"] == pytest.approx(0.1)
+    span = records[1].done_s - 0.0
+    assert s["throughput_tok_s"] == pytest.approx(22 / span) and s["goodput_req_s"] == pytest.approx(1 / span)
+    assert s["preemptions"] == 3
+    assert (s["kv_capacity_start_tokens"], s["kv_capacity_peak_tokens"], s["kv_used_peak_tokens"]) == \
+           (1600, 2080, 640)
+    line = timeline(samples)
+    assert line["int8_layers"] == [0, 2] and line["int4_layers"] == [0, 0]
+
+
+def test_tokens_are_attributed_to_the_precision_of_their_moment():
+    # tokens at 0.0..0.9 (10) before the swap at 1.0, at 1.0..1.9 (10) after it
+    records = [record(0, 0.0, 0.0, 20)]
+    samples = [ClusterSample(0.0, [executor([16, 16, 16])]), ClusterSample(1.0, [executor([8, 4, 16])])]
+    assert precision_share(records, samples) == pytest.approx({(0, 0): 0.5, (1, 1): 0.5})
+    # two executors: each token counts half for each executor's state
+    two = [ClusterSample(0.0, [executor([16, 16]), executor([8, 8], ident="e1")])]
+    assert precision_share(records, two) == pytest.approx({(0, 0): 0.5, (2, 0): 0.5})
+    assert preemptions(two) == 0
+
+
+def table_rows():
+    rows = [{"bits": 8, "order": "front", "k": k, "ppl": 20.0 + 0.01 * k} for k in (0, 1, 2, 4, 8, 30)]
+    rows += [{"bits": 4, "order": "front", "k": k, "ppl": 20.0 + k} for k in (0, 1, 2, 4, 8, 30)]
+    rows += [{"bits": 4, "order": "back", "k": k, "ppl": 99.0} for k in (1, 2)]
+    rows += [{"bits": 4, "order": "back", "k": 30, "ppl": 50.0}]  # all layers: the same in every order
+    return rows
+
+
+def test_perplexity_lookup_reads_interpolates_and_estimates(tmp_path):
+    path = tmp_path / "ppl.json"
+    path.write_text(json.dumps({"model": "default", "rows": table_rows()}))
+    table = PerplexityTable.load(path, order="front")
+    assert table.ppl(0, 0) == (20.0, "table")
+    assert table.ppl(0, 2) == (22.0, "table")
+    assert table.ppl(0, 30) == (50.0, "table")
+    assert table.ppl(6, 0) == (pytest.approx(20.06), "interpolated")
+    assert table.ppl(3, 2) == (pytest.approx(22.0 + 0.05 - 0.02), "estimated")
+    assert table.ppl(0, 40) == (None, "unknown")
+    q = quality({(0, 0): 0.75, (0, 2): 0.25}, table, "default")
+    assert q["ppl_token_weighted"] == pytest.approx(0.75 * 20 + 0.25 * 22) and q["full_precision_token_share"] == 0.75
+    assert quality({(0, 0): 1.0}, table, "another-model")["mixes"][0]["ppl"] is None
+    assert PerplexityTable.load(tmp_path / "missing.json") is None
+
+
+def test_results_compare_with_fp16_and_plot(tmp_path):
+    args = parse_args(["--slo-ttft", "1.0"])
+    samples = [ClusterSample(0.0, [executor([16] * 4)]), ClusterSample(1.5, [executor([8, 8, 16, 16], extension=30)])]
+    slow = mode_result([record(0, 0.0, 2.0, 5), record(1, 1.0, 4.0, 5), record(2, 2.0, None, 3, "failed")],
+                       samples[:1], 8.0, args, None)
+    fast = mode_result([record(0, 0.0, 0.5, 5), record(1, 1.0, 1.0, 5), record(2, 2.0, 2.0, 3)], samples, 6.0,
+                       args, None)
+    assert [r["error"] is None for r in slow["requests"]] == [True, True, False]
+    c = comparison({"fp16": slow, "morph": fast})["morph"]
+    assert c["ttft_p95_x_better_than_fp16"] == pytest.approx(slow["ttft_p95"] / fast["ttft_p95"])
+    assert slow["slo_violation_pct"] == 100 and c["slo_violations_fewer_pct"] == pytest.approx(100 - 100 / 3)
+    for mode, result in (("fp16", slow), ("morph", fast)):
+        assert plot_timeline(mode, result, 1.0, tmp_path / f"{mode}.png").stat().st_size > 10_000
+    assert plot_ttft_cdf({"fp16": slow, "morph": fast}, 1.0, tmp_path / "cdf.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "fp16,bf17"], "--modes takes"),
+    (["--modes", "fp16,fp16"], "twice"),
+    (["--url", "http://x", "--modes", "a,b"], "exactly one"),
+    (["--rate-scale", "0"], "--rate-scale must be positive"),
+    (["--memory-budget", "lots"], "size"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -90,7 +90,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: Requ
     record.sent_s = time.monotonic() - t0
     try:
         await _stream(client, url, body, record, t0)
-    except (httpx.HTTPError, ValueError, KeyError) as e:  # ValueError: a chunk that is not JSON
+    except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError) as e:  # ValueError: a chunk that is not JSON
         record.error = f"{type(e).__name__}: {e}"
 
 

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import platform
 import queue
 import signal
@@ -204,7 +205,7 @@ def comparison(results: dict[str, dict]) -> dict[str, dict]:
         if mode == "fp16":
             continue
         speedup = base["ttft_p95"] / r["ttft_p95"] if base["ttft_p95"] and r["ttft_p95"] else None
-        fewer = (100.0 * (base["slo_violation_pct"] - r["slo_violation_pct"]) / base["slo_violation_pct"]
+        fewer = (100.0 * (1 - r["slo_violation_pct"] / base["slo_violation_pct"])
                  if base["slo_violation_pct"] else None)
         out[mode] = {"ttft_p95_x_better_than_fp16": speedup, "slo_violations_fewer_pct": fewer}
     return out
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
     config |= {"requests": len(requests), "replay_s": replay_s}
     report = {"modes": results, "comparison": compared, "config": config,
-              "machine": {"platform": platform.platform(), "processor": platform.processor()},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print_table(results, compared)

@@ -110,7 +110,7 @@ def up_command(args: argparse.Namespace, mode: str, port: int, run_dir: Path) ->
             "--max-model-len", str(args.max_len), "--timeout", str(args.startup_timeout)]
 
 
-class System:
+class UpProcess:
     """One `morphling up` in a child process: started, waited for, stopped the way Ctrl-C stops it."""
 
     def __init__(self, cmd: list[str], log_path: Path):
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.out / "logs" / mode
             run_dir.mkdir(parents=True, exist_ok=True)
             print(f"morphling bench: starting the system for {mode} (logs in {run_dir})...", file=sys.stderr)
-            system = System(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
+            system = UpProcess(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
             try:
                 url = system.wait_ready(args.startup_timeout)
                 outcome = run_mode(mode, url, args, requests, prompts)

@@ -9,7 +9,7 @@ low mark and a minimum dwell").
 
 The dwell holds only that turn. A burst that follows a restore is met after its own `enter_after`
 windows: holding it for the dwell too would leave the burst queueing on the smaller cache for the
-whole dwell (measured with `morphling bench`: ten seconds of rising TTFT after a restore that came
+whole dwell (measured with `morphling bench`: eleven seconds of rising TTFT after a restore that came
 just before a burst), while turning up quickly costs one copy. Direction changes stay bounded: each
 round trip up and down takes at least `min_dwell_s`.
 

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.executor.service import DEFAULT_MODEL_NAME, served_model_name
-from shared.config import parse_size
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from shared.config import PROJECT_ROOT, parse_size
 MORPHING_MODES = ("accuracy", "default", "performance")
 # The order of a clean stop: the gateway drains first while executors can still finish its requests.
 STOP_ORDER = ("gateway", "executor", "controller", "monitor", "nats-server")

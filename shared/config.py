@@ -1,6 +1,18 @@
 """Configuration of every Morphling process, in one place. No torch import here."""
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = PROJECT_ROOT / "docs" / "results"  # where recorded benchmark and evaluation results live
+
+
+def data_dir() -> Path:
+    """The shared data folder (traces, corpora, prompts): $MORPHLING_DATA, else ../shared/data beside the
+    checkout."""
+    return Path(os.environ.get("MORPHLING_DATA", PROJECT_ROOT.parent / "shared" / "data"))
+
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}

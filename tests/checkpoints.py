@@ -11,10 +11,11 @@ heads, several safetensors shards with an index, and bf16/fp16 storage.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from shared.config import data_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, IM_START_ID, EOS_ID = 0, 1, 2
@@ -25,11 +26,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def data_dir() -> Path:
-    default = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    return Path(os.environ.get("MORPHLING_DATA", default))
 
 
 def _corpus_lines(limit: int = 3000) -> list[str]:

@@ -11,8 +11,9 @@ ppl_int8(a + b) - ppl_int8(b). Each value says which of the three it is.
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TABLE = REPO / "docs" / "results" / "perplexity.json"
+from shared.config import RESULTS_DIR
+
+DEFAULT_TABLE = RESULTS_DIR / "perplexity.json"
 
 
 class PerplexityTable:

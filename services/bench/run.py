@@ -42,11 +42,9 @@ from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.prompts import PromptPool, read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
 from services.bench.trace import TraceError, TraceRequest, load_trace
-from shared.config import parse_size
+from shared.config import data_dir, parse_size
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = REPO.parent / "shared" / "data"
-DEFAULT_TRACE = DEFAULT_DATA / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
+DEFAULT_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
 # mode -> (controller mode, static bits); "morph" takes the controller mode from --morph-mode
 MODES: dict[str, tuple[str | None, int]] = {"fp16": ("off", 16), "int8": ("off", 8), "int4": ("off", 4),
                                             "morph": (None, 16)}
@@ -76,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="as for `morphling up`")
     ap.add_argument("--drain-timeout", type=float, default=90.0,
                     help="seconds after the last arrival before unfinished requests count as failed")
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder (prompts)")
+    ap.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder (prompts)")
     ap.add_argument("--ppl-table", type=Path, default=DEFAULT_TABLE, help="`morphling eval ppl --table` output")
     ap.add_argument("--seed", type=int, default=0, help="the order prompts are drawn in")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))

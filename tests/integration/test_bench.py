@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data import data_dir
+from shared.config import data_dir
 from tests.system import System
 
 pytestmark = pytest.mark.slow

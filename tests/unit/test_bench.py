@@ -15,7 +15,7 @@ from services.bench.prompts import PromptPool, fit, read_texts
 from services.bench.quality import PerplexityTable, quality
 from services.bench.run import comparison, mode_result, parse_args
 from services.bench.trace import TraceError, arrival_rate, load_trace, read_rows, scale_lengths
-from tests.data import data_dir
+from shared.config import data_dir
 
 AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
          "2023-11-16 18:15:46.6805900,374,44\r\n"

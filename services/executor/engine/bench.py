@@ -19,9 +19,8 @@ import torch
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.loader import resolve_model_path
 from services.executor.engine.sampling_params import SamplingParams
-from shared.config import EngineConfig, parse_size
+from shared.config import EngineConfig, data_dir, parse_size
 
-DEFAULT_DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 
 
 def sharegpt_prompts(engine: LLMEngine, path: Path, count: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -91,7 +90,7 @@ def plot(rows: list[dict], out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    ap.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated prompt counts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)

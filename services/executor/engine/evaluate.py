@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model import ForwardBatch, PrefillChunk
 from services.executor.engine.quant import int4_group, quantize_int4, quantize_int8
-from shared.config import EngineConfig, parse_size
+from services.executor.engine.variants import DEFAULT_CORPUS
+from shared.config import RESULTS_DIR, EngineConfig, parse_size
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpora" / "wikitext-2-test.txt"
-DEFAULT_PROFILE = REPO / "docs" / "results" / "lis_profile.json"
+DEFAULT_PROFILE = RESULTS_DIR / "lis_profile.json"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # norms and biases stay in full precision
 ORDERS = ("lis", "front", "back", "random")
 TABLE_KS = (0, 1, 2, 4, 8, 16, 30)
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None, help="folder of the JSON (default: . , or docs/results "
                                                              "with --table)")
     args = ap.parse_args(argv)
-    out = args.out or (REPO / "docs" / "results" if args.table else Path("."))
+    out = args.out or (RESULTS_DIR if args.table else Path("."))
     out.mkdir(parents=True, exist_ok=True)
 
     engine = LLMEngine(EngineConfig(model=args.model, memory_budget=parse_size(args.memory_budget),

@@ -18,12 +18,9 @@ import os
 
 from .errors import ModelLoadError
 
-# Beyond what load_checkpoint needs, these names are re-exported for callers and tests that import them from here.
-from .checkpoint import Checkpoint, _check_supported, canonical_shapes  # noqa: F401
-from .gguf_loader import (  # noqa: F401
-    GGUF_ARCHITECTURES, GGUFCheckpoint, _fit_llama3_rope, _llama3_factors, _load_gguf,
-)
-from .hf_loader import HF_ARCHITECTURES, SafetensorsCheckpoint, _load_hf  # noqa: F401
+from .checkpoint import Checkpoint
+from .gguf_loader import _load_gguf
+from .hf_loader import _load_hf
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

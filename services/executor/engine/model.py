@@ -20,7 +20,7 @@ from kernels.prefill_attention import prefill_attention
 from kernels.w4a16 import w4a16_linear
 from kernels.w8a16 import w8a16_linear
 from services.executor.engine.arena import Arena, align
-from services.executor.engine.loader import Checkpoint
+from services.executor.engine.checkpoint import Checkpoint
 from services.executor.engine.model_config import ModelConfig
 from services.executor.engine.quant import int4_group
 

@@ -38,10 +38,11 @@ from tqdm import tqdm
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.model import LINEARS, DecoderModel, layer_layout, rotate, variant_layout
 from services.executor.engine.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
+from shared.config import data_dir
 
 FORMAT_VERSION = 2  # 2: AWQ scales INT4 only. Bump when what a cache directory holds changes meaning
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/variants")
-DEFAULT_CORPUS = Path(__file__).resolve().parents[4] / "shared" / "data" / "corpora" / "wikitext-2-test.txt"
+DEFAULT_CORPUS = data_dir() / "corpora" / "wikitext-2-test.txt"
 AWQ_ALPHA = 0.5
 SCALED = {"qkv_proj": "input_norm", "gate_up_proj": "post_attn_norm"}  # linear -> the norm that feeds it
 

@@ -8,6 +8,7 @@ takes a service down.
 
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,6 +41,15 @@ class BusError(Exception):
 
 class BadMessage(Exception):
     pass
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets: a process's cue to stop cleanly (call inside the loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def encode(message: Message) -> bytes:
@@ -116,6 +126,19 @@ class Bus:
         except (NoServersError, OSError, asyncio.TimeoutError) as exc:
             raise BusError(url, f"cannot connect within {first_attempt_timeout:.0f} s: {exc!r}") from exc
         return cls(nc, name)
+
+    @classmethod
+    async def connect_unless(cls, stop: asyncio.Event, url: str, name: str) -> "Bus | None":
+        """Connect, or None if `stop` is set first: connecting can take long (the server may not be up
+        yet), and a signal must end that wait too."""
+        stopping = asyncio.create_task(stop.wait())
+        connecting = asyncio.create_task(cls.connect(url, name))
+        await asyncio.wait({stopping, connecting}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            return None
+        return connecting.result()
 
     @property
     def connected(self) -> bool:

@@ -15,11 +15,10 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig
 from shared.telemetry import setup_tracing
 
@@ -30,19 +29,11 @@ log = logging.getLogger(__name__)
 
 
 async def _run_until_signalled(config: ControllerConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # Connecting can take long (the server may not be up yet): a signal must end that wait too.
-    stopping = asyncio.create_task(stop.wait())
-    connecting = asyncio.create_task(Bus.connect(config.nats_url, config.controller_id))
-    await asyncio.wait({stopping, connecting}, return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done():
-        connecting.cancel()
+    stop = stop_on_signals()
+    bus = await Bus.connect_unless(stop, config.nats_url, config.controller_id)
+    if bus is None:
         log.info("controller: stopped before the bus connected")
         return
-    bus = connecting.result()
     # make_policy() without settings reads mode and overrides from the config at each window.
     policies = [] if config.morph_mode == "off" else [make_policy()]
     controller = Controller(config, policies=policies)

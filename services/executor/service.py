@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -24,7 +23,7 @@ from dataclasses import replace
 from services.executor.engine.errors import EngineError
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.bus import Bus, BusError, Incoming, stop_on_signals, unsubscribe
 from shared.config import EngineConfig, ExecutorConfig, parse_size
 from shared.messages import Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages
 from shared.telemetry import setup_tracing
@@ -278,10 +277,7 @@ def main(argv: list[str]) -> int:
 
     async def serve() -> None:
         bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
+        stopping = stop_on_signals()
         await service.start(bus)
         await stopping.wait()
         log.info("executor %s: stopping; no new requests, waiting for %d in flight", config.executor_id,

@@ -9,12 +9,11 @@ itself lives in aggregate.py (pure); this file only wires it to the bus and the 
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import time
 
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.bus import Bus, BusError, Incoming, stop_on_signals, unsubscribe
 from shared.config import MonitorConfig
 from shared.messages import Event, ExecutorTelemetry
 from shared.telemetry import setup_tracing
@@ -81,19 +80,11 @@ class MonitorService:
 
 
 async def _run_until_signalled(config: MonitorConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # Connecting can take long (the server may not be up yet): a signal must end that wait too.
-    stopping = asyncio.create_task(stop.wait())
-    connecting = asyncio.create_task(Bus.connect(config.nats_url, "monitor"))
-    await asyncio.wait({stopping, connecting}, return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done():
-        connecting.cancel()
+    stop = stop_on_signals()
+    bus = await Bus.connect_unless(stop, config.nats_url, "monitor")
+    if bus is None:
         log.info("monitor: stopped before the bus connected")
         return
-    bus = connecting.result()
     service = MonitorService(config)
     await service.start(bus)
     log.info("monitor: publishing the cluster state every %.2f s on %s", config.publish_interval_s,

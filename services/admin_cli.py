@@ -9,7 +9,6 @@ layers 0-3 hold 8-bit weights and layers 4-29 full precision (32 on CPU, 16 on G
 """
 
 import argparse
-import logging
 import os
 import sys
 
@@ -80,17 +79,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="admin key (default: the first of $MORPHLING_ADMIN_KEYS; none when unset)")
 
 
-def _call(prog: str, method: str, url: str, key: str | None, body: dict | None = None) -> tuple[int, dict] | None:
-    """(status, JSON body), or None after printing why the gateway could not be asked."""
+def _call(prog: str, method: str, url: str, key: str | None, body: dict | None = None) -> dict | None:
+    """The JSON body of a 200 answer, or None after printing why there is none."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         r = httpx.request(method, url, json=body, headers=headers, timeout=TIMEOUT_S)
-        return r.status_code, r.json()
+        reply = r.json()
     except httpx.HTTPError as exc:
         print(f"{prog}: cannot reach {url}: {exc}", file=sys.stderr)
+        return None
     except ValueError:
         print(f"{prog}: {url} answered {r.status_code} without JSON: {r.text[:200]!r}", file=sys.stderr)
-    return None
+        return None
+    if r.status_code != 200:
+        _report_error(prog, r.status_code, reply)
+        return None
+    return reply
 
 
 def _report_error(prog: str, status: int, body: dict) -> None:
@@ -101,24 +105,14 @@ def _report_error(prog: str, status: int, body: dict) -> None:
         print(f"{prog}: {status}: {body}", file=sys.stderr)
 
 
-def _quiet_httpx() -> None:
-    # `morphling` turns INFO logging on for the services; httpx would log every request at INFO.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def status_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="morphling status", description="print the cluster as a gateway sees it",
                                      epilog="LAYER_BITS: runs in layer order, BITSxCOUNT (8x4 32x26: layers "
                                             "0-3 at 8 bits, 4-29 at full precision)")
     _common(parser)
     args = parser.parse_args(argv)
-    _quiet_httpx()
-    answer = _call(parser.prog, "GET", f"{args.url.rstrip('/')}/v1/cluster", args.admin_key)
-    if answer is None:
-        return 1
-    status, body = answer
-    if status != 200:
-        _report_error(parser.prog, status, body)
+    body = _call(parser.prog, "GET", f"{args.url.rstrip('/')}/v1/cluster", args.admin_key)
+    if body is None:
         return 1
     print(cluster_table(body["executors"]))
     return 0
@@ -139,16 +133,11 @@ def morph_main(argv: list[str]) -> int:
         parser.error("--bits is required for quantize")
     if args.action == "restore" and args.bits is not None:
         parser.error("restore returns layers to full precision and takes no --bits")
-    _quiet_httpx()
     body = {"executor": args.executor, "action": args.action, "layers": args.layers}
     if args.bits is not None:
         body["bits"] = args.bits
-    answer = _call(parser.prog, "POST", f"{args.url.rstrip('/')}/v1/cluster/morph", args.admin_key, body)
-    if answer is None:
-        return 1
-    status, reply = answer
-    if status != 200:
-        _report_error(parser.prog, status, reply)
+    reply = _call(parser.prog, "POST", f"{args.url.rstrip('/')}/v1/cluster/morph", args.admin_key, body)
+    if reply is None:
         return 1
     print(results_table(reply["results"]))
     print()

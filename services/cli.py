@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: it would bury progress lines and bars under polls and streams.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     module_name, _, function = COMMANDS[command][0].partition(":")
     result = getattr(importlib.import_module(module_name), function or "main")(rest)
     # Tools return a report (bench-engine returns its rows), services an exit status or None.

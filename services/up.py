@@ -13,7 +13,6 @@ ready line. A child that dies has its last log lines printed.
 
 import argparse
 import ctypes
-import logging
 import os
 import shutil
 import signal
@@ -243,7 +242,7 @@ def _http_status(client, url: str) -> int | None:
         return None
 
 
-def _served_model(client, base: str, fallback: str) -> str:
+def served_model(client, base: str, fallback: str) -> str:
     import httpx
 
     try:
@@ -318,9 +317,6 @@ def _wait_and_serve(cluster: Cluster, args, base: str, started: float, stop_requ
     # Imported here: the gateway's HTTP client library is not needed to reject bad arguments.
     import httpx
 
-    # Its INFO line per request would bury the progress lines under polls of /ready.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
     deadline = started + args.timeout
     phase, last_note = None, 0.0
     with httpx.Client(timeout=2.0) as client:
@@ -351,7 +347,7 @@ def _wait_and_serve(cluster: Cluster, args, base: str, started: float, stop_requ
                     _progress(f"waiting for the gateway to listen on {base}...{elapsed}")
                 phase, last_note = current, now
             stop_requested.wait(0.25)
-        name = _served_model(client, base, served_model_name(args.model))
+        name = served_model(client, base, served_model_name(args.model))
     count = f"{args.executors} executor{'s' if args.executors > 1 else ''}"
     print(f"morphling ready: {base} (model {name}, {count}, up in {time.monotonic() - started:.1f} s)", flush=True)
 

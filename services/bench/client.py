@@ -41,6 +41,10 @@ class RequestRecord:
         return self.error is None and self.done_s is not None
 
     @property
+    def e2e_s(self) -> float | None:
+        return self.done_s - self.sent_s if self.ok else None
+
+    @property
     def ttft_s(self) -> float | None:
         return self.chunk_s[0] - self.sent_s if self.chunk_s and self.sent_s is not None else None
 

@@ -94,13 +94,13 @@ def summarize(records: list[RequestRecord], samples: list[ClusterSample], slo_tt
     finished = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     tpots = [t for t in (tpot_s(r) for r in finished) if t is not None]
-    e2e = [r.done_s - r.sent_s for r in finished]
+    e2e = [r.e2e_s for r in finished]
     good = [r for r in finished if r.ttft_s is not None and r.ttft_s <= slo_ttft_s]
     starts = [r.scheduled_s for r in records]
     span = max((r.done_s for r in finished), default=0.0) - min(starts, default=0.0)
     tokens = sum(r.completion_tokens for r in finished)
     lines = timeline(samples)
-    block_tokens = lines.get("kv_capacity_tokens", [])
+    capacity = lines.get("kv_capacity_tokens", [])
     lag = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     return {
         "request_count": len(records),
@@ -113,8 +113,9 @@ def summarize(records: list[RequestRecord], samples: list[ClusterSample], slo_tt
         "throughput_tok_s": tokens / span if span > 0 else 0.0,
         "goodput_req_s": len(good) / span if span > 0 else 0.0,
         "preemptions": preemptions(samples),
-        "kv_capacity_start_tokens": block_tokens[0] if block_tokens else None,
-        "kv_capacity_peak_tokens": max(block_tokens) if block_tokens else None,
+        "kv_capacity_start_tokens": capacity[0] if capacity else None,
+        "kv_capacity_peak_tokens": max(capacity, default=None),
         "kv_used_peak_tokens": max(lines.get("kv_used_tokens", []), default=None),
         "client_lag_max_s": max(lag, default=0.0),  # how late the client sent anything: its own distortion
+        "timeline": lines,
     }

@@ -24,7 +24,6 @@ MorphServe's headline comparison.
 import argparse
 import asyncio
 import json
-import logging
 import os
 import platform
 import queue
@@ -149,18 +148,17 @@ class UpProcess:
         self.log.close()
 
 
-def served_model(url: str, api_key: str | None) -> str:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-
-
 def run_mode(mode: str, url: str, args, requests: list[TraceRequest], prompts: list[list[int]]
              ) -> tuple[list[RequestRecord], list[ClusterSample], float]:
+    import httpx
     from tqdm import tqdm
 
-    model = served_model(url, args.api_key)
+    from services.executor.service import served_model_name
+    from services.up import served_model
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(headers=headers, timeout=10) as client:
+        model = served_model(client, url, served_model_name(args.model))
     failures = 0
     with tqdm(total=len(requests), desc=f"{mode:>5}", unit="req", dynamic_ncols=True, file=sys.stderr) as bar:
         def done(record: RequestRecord) -> None:
@@ -185,9 +183,8 @@ def mode_result(records: list[RequestRecord], samples: list[ClusterSample], elap
     result = summarize(records, samples, args.slo_ttft)
     result["precision"] = quality(precision_share(records, samples), table, args.model)
     result["replay_s"] = elapsed
-    result["timeline"] = timeline(samples)
     result["requests"] = [{"scheduled_s": r.scheduled_s, "sent_s": r.sent_s, "ttft_s": r.ttft_s,
-                           "e2e_s": r.done_s - r.sent_s if r.ok else None, "prompt_tokens": r.prompt_tokens,
+                           "e2e_s": r.e2e_s, "prompt_tokens": r.prompt_tokens,
                            "output_tokens": r.output_tokens, "completion_tokens": r.completion_tokens,
                            "error": r.error} for r in records]
     return result
@@ -229,7 +226,6 @@ def print_table(results: dict[str, dict], compared: dict[str, dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
     try:
         requests = load_trace(args.trace, args.start, args.duration, args.rate_scale, args.len_scale, args.max_len)
     except TraceError as e:

@@ -24,19 +24,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.executor.service import DEFAULT_MODEL_NAME, served_model_name
-from shared.config import PROJECT_ROOT, parse_size
+from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, served_model_name
+from shared.net import free_port
+
 MORPHING_MODES = ("accuracy", "default", "performance")
 # The order of a clean stop: the gateway drains first while executors can still finish its requests.
 STOP_ORDER = ("gateway", "executor", "controller", "monitor", "nats-server")
 # The gateway drains for up to GatewayConfig.drain_timeout_s (30 s) before it exits.
 STOP_TIMEOUT_S = {"gateway": 40.0, "executor": 15.0, "controller": 10.0, "monitor": 10.0, "nats-server": 10.0}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def nats_binary() -> str:

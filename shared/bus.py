@@ -21,6 +21,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry import context as otel_context
 from pydantic import ValidationError
 
+from shared.errors import InvalidRequestError
 from shared.messages import SCHEMA_VERSION, Message
 from shared.telemetry import extract_context, inject_headers
 
@@ -70,6 +71,8 @@ def decode(data: bytes, model: type[M]) -> M:
     except ValidationError as exc:
         raise BadMessage(f"not a valid {model.__name__}: {exc.error_count()} error(s): {exc.errors()[0]['msg']}") \
             from exc
+    except InvalidRequestError as exc:  # a range rule of a part, e.g. SamplingOptions
+        raise BadMessage(f"not a valid {model.__name__}: {exc.param}: {exc.message}") from exc
 
 
 @dataclass

@@ -8,6 +8,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = PROJECT_ROOT / "docs" / "results"  # where recorded benchmark and evaluation results live
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `--model default` serves
+
+
+def served_model_name(model: str) -> str:
+    """The name a model is served and reported under: the default's own name, else the path's basename."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(os.path.expanduser(model)))
+
+
 def data_dir() -> Path:
     """The shared data folder (traces, corpora, prompts): $MORPHLING_DATA, else ../shared/data beside the
     checkout."""
@@ -25,9 +35,13 @@ def parse_size(text: str | int) -> int:
     s = text.strip().lower().replace(" ", "")
     digits = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(digits):]
-    if not digits or unit not in _UNITS:
+    try:
+        number = float(digits)
+    except ValueError:
+        number = None
+    if number is None or unit not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: expected a number with an optional unit like 1.5GiB")
-    return int(float(digits) * _UNITS[unit])
+    return int(number * _UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -55,8 +69,6 @@ class EngineConfig:
 
 
 def _env_list(name: str) -> tuple[str, ...]:
-    import os
-
     return tuple(k.strip() for k in os.environ.get(name, "").split(",") if k.strip())
 
 

@@ -5,9 +5,12 @@ fails validation, is logged and dropped by the receiver. Unknown fields are refu
 one side fails loudly in tests instead of being silently ignored.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.errors import InvalidCommandError
+from shared.sampling import SamplingOptions
 
 SCHEMA_VERSION = 1
 
@@ -23,26 +26,6 @@ class Part(BaseModel):
 
 
 # --- inference ------------------------------------------------------------------------------------
-class SamplingOptions(Part):
-    """The engine's SamplingParams, field for field; the executor validates them with the engine's rules."""
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-
 class GenerateRequest(Message):
     request_id: str
     gateway: str  # the gateway id: token batches go to tokens.<gateway>
@@ -162,22 +145,69 @@ class ClusterState(Message):
 
 
 # --- commands and events --------------------------------------------------------------------------
-CommandKind = Literal["ping", "drain", "quantize", "restore", "resize", "replicate", "migrate",
-                      "tp_merge", "tp_split"]
+# Each command kind has its arguments' model; `kind` names it. The issuer builds a Command from one
+# (Command.of), the executor reads it back with Command.parsed_args, which refuses a bad kind or field
+# with InvalidCommandError, so that a bad command is answered with a rejected CommandResult.
+class CommandArgs(Part):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    kind: ClassVar[str]
+
+
+class PingArgs(CommandArgs):
+    """Answer with the executor's load; changes nothing."""
+    kind: ClassVar[str] = "ping"
+
+
+class DrainArgs(CommandArgs):
+    """Stop admitting requests; those in flight finish."""
+    kind: ClassVar[str] = "drain"
+
+
+class QuantizeArgs(CommandArgs):
+    """Bring layers to `bits` in place; the freed slot tails become KV pages."""
+    kind: ClassVar[str] = "quantize"
+    layers: int | list[int]  # a count, taken in the executor's swap order, or layer indices
+    bits: Literal[8, 4]
+
+
+class RestoreArgs(CommandArgs):
+    """Bring layers back to full precision, moving live KV out of the slot tails they take back."""
+    kind: ClassVar[str] = "restore"
+    layers: int | list[int]  # a count, the most recently quantized first, or layer indices
+
+
+COMMAND_ARGS: dict[str, type[CommandArgs]] = {a.kind: a for a in (PingArgs, DrainArgs, QuantizeArgs, RestoreArgs)}
 
 
 class Command(Message):
     seq: int  # per issuer, increasing: a repeated seq is answered from the executor's record, not re-run
     issuer: str
-    kind: CommandKind
+    kind: str  # one of COMMAND_ARGS; anything else is answered with a rejected CommandResult
     args: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, seq: int, issuer: str, args: CommandArgs) -> "Command":
+        return cls(seq=seq, issuer=issuer, kind=args.kind, args=args.model_dump())
+
+    def parsed_args(self) -> CommandArgs:
+        """The typed arguments; InvalidCommandError names the culprit ("kind", "args.bits", ...)."""
+        model = COMMAND_ARGS.get(self.kind)
+        if model is None:
+            raise InvalidCommandError(f"unknown command kind {self.kind!r}; this executor takes "
+                                      f"{', '.join(COMMAND_ARGS)}", "kind")
+        try:
+            return model.model_validate(self.args)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = ".".join(["args", *(str(part) for part in err["loc"][:1])])
+            raise InvalidCommandError(f"{name}: {err['msg']}", name) from exc
 
 
 class CommandResult(Message):
     seq: int
     issuer: str
     executor: str
-    kind: CommandKind
+    kind: str
     ok: bool
     error: str | None = None
     state: dict[str, Any] = Field(default_factory=dict)

@@ -4,7 +4,8 @@ import socket
 import subprocess
 import time
 
-from services.up import free_port, nats_binary
+from services.up import nats_binary
+from shared.net import free_port
 
 
 class NatsServer:

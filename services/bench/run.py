@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as e:
         print(f"morphling bench: {e}", file=sys.stderr)
         return 2
-    from services.executor.engine.loader import resolve_model_path
-    from services.executor.engine.tokenizer import Tokenizer
+    from services.executor.engine.model.loader import resolve_model_path
+    from services.executor.engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(resolve_model_path(args.model))
     pool = PromptPool(read_texts(args.data / "prompts"), lambda text: tokenizer.encode(text, add_special_tokens=False),

@@ -1,111 +1,25 @@
 """The controller's machinery: run pure policies on each cluster state and deliver their commands.
 
 Policies are pure functions so that the same code runs live and in the simulator; everything that
-touches the bus is here. Delivery rules, and why:
-- each command carries a sequence number that increases per controller and starts from the clock,
-  so a restarted controller never reuses one an executor has on record;
-- a command that gets no answer is retried with the SAME seq: if the first attempt did arrive and
-  only its answer was lost, the executor answers the repeat from its record instead of, say,
-  quantizing a second layer;
-- bus failures never raise out of `send`: the caller gets CommandResult(ok=False) and decides;
-- every command, answered or not, becomes an audit Event on the events subject;
-- an executor gets one command at a time: while one is in flight, plans for that executor are
-  dropped, because they were made from a state the running command is about to change.
+touches the bus is here. Commands go out through shared.commands.CommandSender (sequence numbers,
+retries, the audit trail), and an executor gets one command at a time: while one is in flight,
+plans for that executor are dropped, because they were made from a state the running command is
+about to change.
 """
 
 import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
+from services.controller.policies.interface import PlannedCommand, Policy
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.bus import Bus, Incoming, unsubscribe
+from shared.commands import CommandSender
 from shared.config import ControllerConfig
-from shared.messages import ClusterState, Command, CommandResult, Event
-from shared.telemetry import tracer
+from shared.messages import ClusterState, CommandResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PlannedCommand:
-    executor: str
-    kind: str
-    args: dict[str, Any] = field(default_factory=dict)
-
-
-# (current state, earlier states oldest first, config) -> commands to send.
-Policy = Callable[[ClusterState, list[ClusterState], ControllerConfig], list[PlannedCommand]]
-
-
-class CommandSender:
-    def __init__(self, bus: Bus, controller_id: str, timeout_s: float, retries: int):
-        self.bus = bus
-        self.controller_id = controller_id
-        self.timeout_s = timeout_s
-        self.retries = max(0, retries)
-        # Microseconds since the epoch: a restarted controller starts above every seq it used before
-        # unless it sent more than a million commands a second, which it never does.
-        self._seq = time.time_ns() // 1000
-
-    def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    async def send(self, executor: str, kind: str, args: dict | None = None) -> CommandResult:
-        # Built outside the retry loop: an invalid kind is a programming error and raises here.
-        command = Command(seq=self.next_seq(), issuer=self.controller_id, kind=kind, args=args or {})
-        subject = subjects.command(executor)
-        started = time.monotonic()
-        errors: list[str] = []
-        result: CommandResult | None = None
-        attempts = 0
-        with tracer(__name__).start_as_current_span(f"command {kind}") as span:
-            span.set_attributes({"morphling.executor": executor, "morphling.command.kind": kind,
-                                 "morphling.command.seq": command.seq})
-            for attempt in range(self.retries + 1):
-                attempts = attempt + 1
-                if attempt:
-                    # "No responders" comes back at once; give a restarting executor a moment.
-                    await asyncio.sleep(min(0.05 * 2 ** attempt, self.timeout_s))
-                try:
-                    reply = await self.bus.request(subject, command, CommandResult, timeout=self.timeout_s)
-                except BusError as exc:
-                    errors.append(exc.problem)
-                    log.info("command %s seq %d to %s: attempt %d failed: %s", kind, command.seq,
-                             executor, attempts, exc.problem)
-                    continue
-                except Exception as exc:  # e.g. connection closed: still a bus failure, not a crash
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                    log.warning("command %s seq %d to %s: attempt %d failed: %r", kind, command.seq,
-                                executor, attempts, exc)
-                    continue
-                if reply.seq != command.seq or reply.issuer != command.issuer:
-                    errors.append(f"answer for {reply.issuer} seq {reply.seq}, not ours")
-                    continue
-                result = reply
-                break
-            if result is None:
-                result = CommandResult(seq=command.seq, issuer=self.controller_id, executor=executor,
-                                       kind=command.kind, ok=False,
-                                       error=f"no answer after {attempts} attempt(s): {'; '.join(errors)}")
-            span.set_attributes({"morphling.command.ok": result.ok, "morphling.command.attempts": attempts})
-        latency = time.monotonic() - started
-        await self._audit(executor, command, result, attempts, latency)
-        return result
-
-    async def _audit(self, executor: str, command: Command, result: CommandResult, attempts: int,
-                     latency: float) -> None:
-        event = Event(kind="command", source=self.controller_id, time=time.time(), data={
-            "executor": executor, "kind": command.kind, "seq": command.seq, "args": command.args,
-            "ok": result.ok, "error": result.error, "attempts": attempts, "latency_s": latency})
-        try:
-            await self.bus.publish(subjects.EVENTS, event)
-        except Exception as exc:  # the audit trail is best effort; the command's outcome stands
-            log.warning("could not publish the audit event of seq %d: %r", command.seq, exc)
 
 
 class Controller:
@@ -201,15 +115,11 @@ class Controller:
     async def _send_all(self, executor: str, commands: list[PlannedCommand]) -> None:
         assert self.sender is not None
         for p in commands:
-            try:
-                result = await self.sender.send(executor, p.kind, p.args)
-            except Exception:  # e.g. a policy planned an unknown kind
-                log.exception("command %s to %s could not be sent", p.kind, executor)
-                return
+            result = await self.sender.send(executor, p.args, p.reason)
             self.results.append(result)
             if not result.ok:
                 # Later commands of one plan build on the earlier ones; the next plan starts afresh.
-                log.warning("command %s to %s failed: %s", p.kind, executor, result.error)
+                log.warning("command %s to %s failed: %s", p.args.kind, executor, result.error)
                 return
 
     async def wait_idle(self) -> None:

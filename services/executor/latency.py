@@ -51,16 +51,12 @@ class TrackedRequest:
     temperature: float
     trace_context: otel_context.Context
     admitted: float  # time.time() when the engine accepted it
-    sequence: object | None = None  # the engine's first Sequence: its first_scheduled_time is read later
+    first_scheduled: float | None = None  # from the engine's deltas, once it scheduled the request
     prompt_text: str | None = None  # only kept when content recording is on
     first_token: float | None = None
     last_token: float | None = None
     output_tokens: dict[int, int] = field(default_factory=dict)  # per completion index
     finish_reasons: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def first_scheduled(self) -> float | None:
-        return getattr(self.sequence, "first_scheduled_time", None)
 
     def observe(self, index: int, timestamps: list[float], output_tokens: int) -> None:
         if timestamps:

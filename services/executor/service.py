@@ -14,7 +14,6 @@ they do under morphing, and the baselines differ from morphing only in when the 
 import argparse
 import asyncio
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -24,53 +23,33 @@ from services.executor.engine.errors import EngineError
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
 from shared.bus import Bus, BusError, Incoming, stop_on_signals, unsubscribe
-from shared.config import EngineConfig, ExecutorConfig, parse_size
-from shared.messages import Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages
+from shared.config import EngineConfig, ExecutorConfig, parse_size, served_model_name
+from shared.errors import InvalidCommandError
+from shared.messages import (Cancel, Command, CommandResult, DrainArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
+                             KvPages, PingArgs, QuantizeArgs, RestoreArgs)
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
 FULL_PRECISION = 16  # --static-bits 16: the dtype as loaded, whatever its width (float32 on CPU)
 
 
-def morph(engine, cmd: Command) -> dict:
-    """Apply a quantize or restore command in the engine thread; returns what changed.
-
-    `layers` is a list of indices, or a count: quantize takes the next full-precision layers front to
-    back (a layer-importance order arrives with profiling), restore the last quantized ones first.
-    """
-    layers, bits = cmd.args.get("layers"), cmd.args.get("bits")
-    current = engine.model.layer_bits
-    full = engine.model.full_bits
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        if cmd.kind == "quantize":
-            candidates = [i for i, b in enumerate(current) if b > int(bits)]
-        else:
-            candidates = [i for i, b in enumerate(current) if b < full][::-1]
-        if layers < 1 or layers > len(candidates):
-            raise ValueError(f"layers must be between 1 and {len(candidates)} here, got {layers}")
-        layers = candidates[:layers]
-    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
-        raise ValueError("layers must be a count or a list of layer indices")
-    report = engine.swapper.set_bits(layers, full if cmd.kind == "restore" else int(bits))
+def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
+    """Apply a quantize or restore command in the engine thread; returns what changed."""
+    swapper = engine.swapper
+    bits = args.bits if isinstance(args, QuantizeArgs) else engine.model.full_bits
+    layers = swapper.next_layers(args.layers, bits) if isinstance(args.layers, int) else args.layers
+    report = swapper.set_bits(layers, bits)
     return {"changed": report.layers, "bits": report.bits, "pages_released": report.pages_released,
             "pages_reclaimed": report.pages_reclaimed, "blocks_relocated": report.blocks_relocated,
             "seconds": report.seconds}
 
 
-def served_model_name(model: str) -> str:
-    """The name a model is served and reported under: the default's own name, else the path's basename."""
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(os.path.expanduser(model)))
-
-
 class ExecutorService:
     def __init__(self, config: ExecutorConfig, engine=None):
         if engine is None:
-            # Imported here so that importing this module (for served_model_name, say) needs no torch.
+            # Imported here so that a service built around a given engine (the tests) needs no model load.
             from services.executor.engine.engine import LLMEngine
 
             engine = LLMEngine(config.engine, progress=False)
@@ -150,20 +129,19 @@ class ExecutorService:
     async def _run_command(self, cmd: Command) -> CommandResult:
         result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
         snap = self.worker.snapshot
-        if cmd.kind == "ping":
-            result.state = {"running": snap.stats.running, "waiting": snap.stats.waiting, "draining": self.draining}
-        elif cmd.kind == "drain":
-            self.worker.draining = True
-            result.state = {"in_flight": snap.in_flight}
-        elif cmd.kind in ("quantize", "restore"):
-            try:
-                report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, cmd)))
+        try:
+            args = cmd.parsed_args()
+            if isinstance(args, PingArgs):
+                result.state = {"running": snap.stats.running, "waiting": snap.stats.waiting,
+                                "draining": self.draining}
+            elif isinstance(args, DrainArgs):
+                self.worker.draining = True
+                result.state = {"in_flight": snap.in_flight}
+            else:
+                report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, args)))
                 result.state = {"layers": list(self.engine.model.layer_bits), **report}
-            except (EngineError, ValueError, TypeError, KeyError) as exc:  # SwapError among them
-                result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
-        else:
-            result.ok = False
-            result.error = f"command {cmd.kind!r} is not supported by this executor yet"
+        except (InvalidCommandError, EngineError) as exc:  # SwapError among them
+            result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
         return result
 
@@ -210,12 +188,9 @@ class ExecutorService:
         if not device.startswith("cuda"):
             return None
         if self._read_gpu is None:
-            try:
-                from services.monitor.nvml import read_gpu_stats
-            except ImportError:
-                log.warning("services.monitor.nvml is unavailable: telemetry carries no GPU stats")
-                read_gpu_stats = None
-            self._read_gpu = read_gpu_stats or (lambda index: None)
+            from services.executor.gpu import read_gpu_stats
+
+            self._read_gpu = read_gpu_stats
         try:
             return self._read_gpu(int(device.partition(":")[2] or 0))
         except Exception:  # a flaky NVML read must not cost the heartbeat

@@ -19,8 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.executor.engine.errors import InvalidRequestError, QueueFullError
-from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.errors import QueueFullError
+from shared.errors import InvalidRequestError
 from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
 from services.executor.wire import token_delta
 from shared import subjects
@@ -149,7 +149,7 @@ class EngineWorker:
                 prompt = req.prompt
             else:
                 raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
-            params = SamplingParams(**req.sampling.model_dump())
+            params = req.sampling
             admitted = time.time()
             prompt_len = self.engine.add_request(req.request_id, prompt, params, deadline=req.deadline,
                                                  arrival_time=admitted)
@@ -160,11 +160,9 @@ class EngineWorker:
         except Exception as exc:
             log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
             return rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
-        # The first sequence object records its first scheduling time; holding it lets us read that later.
-        first_seq = (self.engine._requests.get(req.request_id) or [None])[0]
         self._tracked[req.request_id] = TrackedRequest(
             req.request_id, req.gateway, params.n, prompt_len, self.model_name, params.max_tokens,
-            params.temperature, incoming.trace_context, admitted, first_seq,
+            params.temperature, incoming.trace_context, admitted,
             prompt_text=prompt if RECORD_CONTENT and isinstance(prompt, str) else None)
         return Admission(request_id=req.request_id, executor=self.executor, accepted=True, prompt_tokens=prompt_len)
 
@@ -182,6 +180,8 @@ class EngineWorker:
             req = self._tracked.get(d.request_id)
             if req is None:  # a request already failed by us: its abort leftovers are not news
                 continue
+            if req.first_scheduled is None:
+                req.first_scheduled = d.first_scheduled
             if req.first_token is None and d.timestamps:
                 if req.first_scheduled is not None:
                     self.queue_delay.record(req.first_scheduled - req.admitted)
@@ -193,7 +193,7 @@ class EngineWorker:
                 ended[d.request_id] = req
         # Only once the whole step is read: all n sequences may finish in the same step.
         for request_id, req in ended.items():
-            if request_id in self.engine._requests:  # some of its sequences are still going
+            if self.engine.has_request(request_id):  # some of its sequences are still going
                 continue
             out = by_gateway[req.gateway]
             last = next(t for t in reversed(out) if t.request_id == request_id)

@@ -2,9 +2,9 @@
 
 An operator (or a benchmark) quantizes and restores layers by hand through the gateway instead of
 the bus, so that one authenticated HTTP endpoint is enough to drive the cluster; the commands go out
-through the controller's own CommandSender, so they get the same sequence numbers, retries and audit
-events as the controller's. The gateway answers only once the executors applied them, and waits a
-bounded moment for the monitor's view to catch up so that the `executors` it returns already show
+through the same CommandSender as the controller's (shared/commands.py), so they get the same
+sequence numbers, retries and audit events. The gateway answers only once the executors applied
+them, and waits a bounded moment for the monitor's view to catch up so that the `executors` it returns already show
 the change (the monitor lags the executors by a few hundred milliseconds).
 """
 
@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from services.controller.loop import CommandSender
 from services.gateway.openai_api import ApiError, bad_request
-from shared.messages import ClusterState, CommandResult
+from shared.commands import CommandSender
+from shared.messages import ClusterState, CommandResult, QuantizeArgs, RestoreArgs
 
 ALL = "*"
 # Swapping layers waits for a forward-pass boundary and may relocate KV blocks; a busy CPU executor
@@ -34,8 +34,8 @@ class MorphRequest(BaseModel):
     action: Literal["quantize", "restore"]
     # The upper bound only keeps the count encodable on the bus; the executor refuses more than it has.
     layers: StrictInt = Field(ge=1, le=1 << 16,
-                              description="how many layers: quantize takes the next full-precision ones front to "
-                                          "back, restore the last quantized first")
+                              description="how many layers: quantize takes the next ones in the executor's swap "
+                                          "order, restore the most recently quantized first")
     bits: Literal[4, 8] | None = Field(None, description="required for quantize; restore returns to full "
                                                          "precision and takes no bits")
 
@@ -109,8 +109,9 @@ async def morph(dispatcher, sender: CommandSender, body) -> dict:
     """Apply one morph request; the response body, or ApiError when nothing was applied."""
     req = parse_morph(body)
     targets = _targets(dispatcher.state, req.executor)
-    args = {"layers": req.layers} | ({"bits": req.bits} if req.action == "quantize" else {})
-    results = await asyncio.gather(*(sender.send(e, req.action, args) for e in targets))
+    args = QuantizeArgs(layers=req.layers, bits=req.bits) if req.action == "quantize" else RestoreArgs(layers=req.layers)
+    results = await asyncio.gather(*(sender.send(e, args, "by hand, through the gateway's admin API")
+                                     for e in targets))
     if not any(r.ok for r in results):
         errors = "; ".join(f"{r.executor}: {r.error}" for r in results)
         if all((r.error or "").startswith(_NO_ANSWER) for r in results):

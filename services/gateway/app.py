@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.controller.loop import CommandSender
 from services.gateway import admin
 from services.gateway.completions import SPAN_SCOPE_KEY, generate, read_json, too_large
 from services.gateway.dispatch import Dispatcher
@@ -28,6 +27,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
 from services.gateway.router import serving
 from shared.bus import Bus
+from shared.commands import CommandSender
 from shared.config import GatewayConfig
 from shared.telemetry import setup_tracing, tracer
 

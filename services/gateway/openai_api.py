@@ -1,8 +1,8 @@
 """The OpenAI wire format: request models with OpenAI's validation behaviour, response and SSE builders.
 
 Kept free of I/O so every shape a client sees is unit-testable. Range rules for sampling fields are
-not restated here: they come from the engine's SamplingParams, so the gateway and the executor can
-never disagree on what is valid (the executor re-validates against the real vocabulary).
+not restated here: they come from shared.sampling, so the gateway and the executor can never disagree
+on what is valid (the engine checks stop token ids against the real vocabulary).
 """
 
 import json
@@ -13,12 +13,10 @@ from typing import Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from services.executor.engine.errors import InvalidRequestError
-from services.executor.engine.sampling_params import SamplingParams
-from shared.messages import LogprobEntry, SamplingOptions
+from shared.errors import InvalidRequestError
+from shared.messages import LogprobEntry
+from shared.sampling import SamplingOptions
 
-# The gateway does not know the vocabulary; the executor re-checks stop_token_ids against the real one.
-_ANY_VOCAB = 2**31
 MAX_COMPLETION_LOGPROBS = 20  # OpenAI allows 5; vLLM (and we) allow the engine's 20
 
 
@@ -103,19 +101,13 @@ class _Common(_Strict):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
-        params = SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+        # The fields both models share go across by name; an OpenAI null means the option's default.
+        shared = {name: value for name in SamplingOptions.model_fields
+                  if name in type(self).model_fields and (value := getattr(self, name)) is not None}
         try:
-            params.validate(_ANY_VOCAB)
+            return SamplingOptions.checked(**(shared | {"max_tokens": max_tokens, "logprobs": logprobs}))
         except InvalidRequestError as exc:
-            raise bad_request(str(exc), exc.param) from exc
-        return SamplingOptions(**params.__dict__)
+            raise bad_request(exc.message, exc.param) from exc
 
     @property
     def include_usage(self) -> bool:

@@ -7,13 +7,15 @@ records commands. The lead's test against a real executor lives elsewhere.
 import asyncio
 import time
 
-from services.controller.loop import CommandSender, Controller, PlannedCommand
+from services.controller.loop import Controller
+from services.controller.policies.interface import PlannedCommand
+from shared.commands import CommandSender
 from services.monitor.aggregate import ClusterView
 from services.monitor.service import MonitorService
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Command, CommandResult, Event
+from shared.messages import ClusterState, Command, CommandResult, Event, PingArgs, QuantizeArgs
 from tests.unit.test_monitor_aggregate import telemetry
 
 
@@ -136,14 +138,14 @@ def test_command_sender_retries_with_the_same_seq_and_audits(nats_server):
         received, _ = await _responder(side, "x", drop_first=1)
         sender = CommandSender(ctl, "ctl-test", timeout_s=0.3, retries=2)
 
-        result = await sender.send("x", "quantize", {"layers": [0, 1], "bits": 8})
+        result = await sender.send("x", QuantizeArgs(layers=[0, 1], bits=8), "a test quantizes")
         assert result.ok and result.executor == "x" and result.issuer == "ctl-test"
         assert [c.seq for c in received] == [result.seq, result.seq]  # the retry reused the seq
         assert received[1].args == {"layers": [0, 1], "bits": 8}
-        again = await sender.send("x", "ping")
+        again = await sender.send("x", PingArgs())
         assert again.ok and again.seq > result.seq
 
-        failed = await sender.send("nobody", "ping")
+        failed = await sender.send("nobody", PingArgs())
         assert not failed.ok and "no responders" in failed.error
 
         await _until(lambda: len(events) == 3, timeout=2)
@@ -151,6 +153,7 @@ def test_command_sender_retries_with_the_same_seq_and_audits(nats_server):
         assert first.kind == "command" and first.source == "ctl-test"
         assert first.data["ok"] and first.data["attempts"] == 2 and first.data["seq"] == result.seq
         assert first.data["executor"] == "x" and first.data["kind"] == "quantize"
+        assert first.data["reason"] == "a test quantizes" and first.data["state"] == {"n": 2}
         assert first.data["latency_s"] >= 0.3  # one timed-out attempt
         assert second.data["attempts"] == 1
         assert not third.data["ok"] and third.data["attempts"] == 3 and third.data["error"] == failed.error
@@ -168,7 +171,7 @@ def test_controller_runs_policies_one_command_at_a_time_per_executor(nats_server
 
     def ping_everyone(state, history, cfg):
         seen_history.append(len(history))
-        return [PlannedCommand(e.executor, "ping") for e in state.executors]
+        return [PlannedCommand(e.executor, PingArgs()) for e in state.executors]
 
     async def scenario():
         ctl_bus = await Bus.connect(nats_server.url, "ctl")

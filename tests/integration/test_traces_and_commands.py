@@ -7,7 +7,7 @@
    thread and event loop) so that one in-memory exporter sees every span; the unit tests of each
    side cannot show that the context survives the hop across the bus.
 2. The controller's command machinery (CommandSender) against a real ExecutorService: ping, drain,
-   unsupported kinds, idempotent replays of a seq, the audit event on the events subject, and the
+   bad commands refused with the culprit named, idempotent replays of a seq, the audit event on the events subject, and the
    bounded time a command to a missing or silent executor takes to fail.
 """
 
@@ -21,14 +21,15 @@ import uvicorn
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.controller.loop import CommandSender
 from services.executor.service import ExecutorService
 from services.gateway.app import create_app
 from services.monitor.service import MonitorService
 from shared import subjects
 from shared.bus import Bus
 from shared.config import EngineConfig, ExecutorConfig, GatewayConfig, MonitorConfig
-from shared.messages import Admission, Command, CommandResult, Event, GenerateRequest, SamplingOptions, TokenBatch
+from shared.commands import CommandSender
+from shared.messages import Admission, Command, CommandResult, DrainArgs, Event, GenerateRequest, PingArgs, TokenBatch
+from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 from tests.nats_server import free_port
 
@@ -236,20 +237,28 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             return await watch_bus.request(subjects.infer("exec-cmd"), req, Admission, timeout=5)
 
         try:
-            ping = await sender.send("exec-cmd", "ping")
+            ping = await sender.send("exec-cmd", PingArgs(), "a test pings")
             assert ping.ok and ping.executor == "exec-cmd" and ping.kind == "ping" and ping.error is None
             assert ping.state == {"running": 0, "waiting": 0, "draining": False}
             audit = await log.audit_of(ping.seq)
             assert audit.source == "ctl-test"
             assert audit.data | {"latency_s": 0} == {"executor": "exec-cmd", "kind": "ping", "seq": ping.seq,
-                                                     "args": {}, "ok": True, "error": None, "attempts": 1,
+                                                     "args": {}, "reason": "a test pings", "ok": True,
+                                                     "error": None, "state": ping.state, "attempts": 1,
                                                      "latency_s": 0}
             assert 0 < audit.data["latency_s"] < 1.0
 
-            quant = await sender.send("exec-cmd", "replicate", {"layer": 0})
-            assert not quant.ok and "replicate" in quant.error and "not supported" in quant.error
-            assert (await log.audit_of(quant.seq)).data["ok"] is False
-            assert (await sender.send("exec-cmd", "ping")).ok  # an unsupported kind did not hurt the executor
+            # Bad commands are answered, refused, with the culprit named; they change nothing.
+            for seq, kind, args, culprit in ((1, "replicate", {"layer": 0}, "unknown command kind 'replicate'"),
+                                             (2, "quantize", {"layers": 1, "bits": 5}, "args.bits"),
+                                             (3, "quantize", {"layers": 1}, "args.bits"),
+                                             (4, "restore", {"layers": True}, "args.layers"),
+                                             (5, "ping", {"now": 1}, "args.now")):
+                bad = await ctl_bus.request(subjects.command("exec-cmd"), Command(seq=seq, issuer="fuzz", kind=kind,
+                                                                                   args=args), CommandResult, timeout=5)
+                assert not bad.ok and bad.kind == kind and culprit in bad.error, bad.error
+            assert engine.model.layer_bits == [engine.model.full_bits] * len(engine.model.layer_bits)
+            assert (await sender.send("exec-cmd", PingArgs())).ok  # bad commands did not hurt the executor
 
             # One request held in flight, then drain: the executor records 1 in flight and refuses new work.
             allowed[0] = 3  # prefill and two decode steps, then hold
@@ -258,7 +267,7 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             while not (service.worker.snapshot.in_flight == 1 and deltas):
                 assert time.monotonic() < deadline, "the request never got going"
                 await asyncio.sleep(0.01)
-            drain = await sender.send("exec-cmd", "drain")
+            drain = await sender.send("exec-cmd", DrainArgs())
             assert drain.ok and drain.state == {"in_flight": 1} and service.draining
             refused = await infer("late", max_tokens=4)
             assert not refused.accepted and refused.error.type == "unavailable"
@@ -283,13 +292,13 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
                                              Command(seq=ping.seq, issuer="ctl-test", kind="ping"),
                                              CommandResult, timeout=5)
             assert old_ping == ping
-            fresh = await sender.send("exec-cmd", "drain")
+            fresh = await sender.send("exec-cmd", DrainArgs())
             assert fresh.ok and fresh.seq > drain.seq and fresh.state == {"in_flight": 0}
-            assert (await sender.send("exec-cmd", "ping")).state["draining"] is True
+            assert (await sender.send("exec-cmd", PingArgs())).state["draining"] is True
 
             # Nobody listens: every attempt fails at once ("no responders"), the sender gives up.
             started = time.monotonic()
-            ghost = await sender.send("exec-nobody", "ping")
+            ghost = await sender.send("exec-nobody", PingArgs())
             elapsed = time.monotonic() - started
             assert not ghost.ok and ghost.executor == "exec-nobody"
             assert "no answer after 3 attempt(s)" in ghost.error and "no responders" in ghost.error
@@ -305,7 +314,7 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             await watch_bus.subscribe(subjects.command("exec-silent"), Command, silent)
             await watch_bus.flush()
             started = time.monotonic()
-            mute = await sender.send("exec-silent", "drain")
+            mute = await sender.send("exec-silent", DrainArgs())
             elapsed = time.monotonic() - started
             assert not mute.ok and "no reply within 1.0 s" in mute.error
             for _ in range(40):  # the watcher's callback may trail the sender's last timeout a little

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.loader import default_model_path
-from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.model.loader import default_model_path
+from shared.sampling import SamplingOptions
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
 from shared.config import data_dir
@@ -56,7 +56,7 @@ def greedy_check(engine: LLMEngine, hf_model, prompts: list[list[int]], generate
     holds no EOS: we ignore EOS by sampling it and going on, while `min_new_tokens` masks it instead.
     """
     seen = capture_logits(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     completions = engine.generate(prompts, params)
     assert engine.stats().ledger.pages_kv_used == 0
     generated = 0

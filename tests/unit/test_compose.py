@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from services.cli import COMMANDS
-from services.up import free_port, nats_binary
+from services.up import nats_binary
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("MORPHLING_DATA") or ROOT.parent / "shared" / "data")

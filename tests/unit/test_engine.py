@@ -7,12 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.errors import InvalidRequestError, MemoryBudgetError, QueueFullError
-from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.errors import MemoryBudgetError, QueueFullError
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingOptions
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_budget_too_small_names_the_numbers(tiny_dir):
 
 def test_streamed_text_is_the_decoded_tokens_and_timestamps_advance(smol):
     prompt = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}])
-    smol.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=40))
+    smol.add_request("s", prompt, SamplingOptions(temperature=0.0, max_tokens=40))
     deltas = drain(smol)["s"]
     tokens = [t for d in deltas for t in d.token_ids]
     stamps = [t for d in deltas for t in d.timestamps]
@@ -64,38 +65,38 @@ def test_streamed_text_is_the_decoded_tokens_and_timestamps_advance(smol):
 
 def test_stop_string_ends_generation_and_is_not_returned(smol):
     prompt = "The days of the week are Monday, Tuesday, Wednesday,"
-    free = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
+    free = smol.generate([prompt], SamplingOptions(temperature=0.0, max_tokens=30))[0].outputs[0]
     assert "Friday" in free.text
-    cut = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, stop=["Friday"]))[0].outputs[0]
+    cut = smol.generate([prompt], SamplingOptions(temperature=0.0, max_tokens=30, stop=["Friday"]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == "Friday"
     assert cut.text == free.text[:free.text.index("Friday")]
 
 
 def test_stop_token_id_ends_generation(smol):
     prompt = "The days of the week are Monday, Tuesday, Wednesday,"
-    free = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
+    free = smol.generate([prompt], SamplingOptions(temperature=0.0, max_tokens=12))[0].outputs[0]
     stop_at = free.token_ids[3]
-    out = smol.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]))
+    out = smol.generate([prompt], SamplingOptions(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]))
     first = out[0].outputs[0]
     assert first.finish_reason == "stop" and first.stop_reason == stop_at
     assert first.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
 
 
 def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(smol):
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    params = SamplingOptions(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     alone = smol.generate(["Tell me a story."], params)[0].outputs[0].token_ids
     crowd = smol.generate(["Tell me a story.", "Why is the sky blue?", "List three fruits."],
-                          [params, SamplingParams(temperature=1.0, max_tokens=15),
-                           SamplingParams(temperature=0.7, max_tokens=9)])
+                          [params, SamplingOptions(temperature=1.0, max_tokens=15),
+                           SamplingOptions(temperature=0.7, max_tokens=9)])
     assert crowd[0].outputs[0].token_ids == alone
-    other = smol.generate(["Tell me a story."], SamplingParams(temperature=1.0, top_p=0.95, seed=99,
+    other = smol.generate(["Tell me a story."], SamplingOptions(temperature=1.0, top_p=0.95, seed=99,
                                                                max_tokens=20, ignore_eos=True))
     assert other[0].outputs[0].token_ids != alone
 
 
 def test_n_completions_share_the_prompt_pages(smol):
     prompt = smol.tokenizer.encode("word " * 100)  # 100 tokens: 6 full blocks and a partial one
-    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    params = SamplingOptions(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     smol.add_request("fan", prompt, params)
     deltas = []
     while not deltas:
@@ -111,7 +112,7 @@ def test_n_completions_share_the_prompt_pages(smol):
 
 
 def test_logprobs_are_the_models_and_sorted(smol):
-    out = smol.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=3, logprobs=5))
+    out = smol.generate(["The capital of France is"], SamplingOptions(temperature=0.0, max_tokens=3, logprobs=5))
     lps = out[0].outputs[0].logprobs
     assert len(lps) == 3
     for lp in lps:
@@ -143,7 +144,7 @@ def test_abort_anywhere_frees_everything(tiny_dir):
 
 def test_deadline_expires_requests_and_frees_their_pages(tiny_dir):
     engine = tiny(tiny_dir)
-    engine.add_request("late", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+    engine.add_request("late", list(range(3, 30)), SamplingOptions(temperature=0.0, max_tokens=200, ignore_eos=True),
                        deadline=time.time() + 0.05)
     engine.add_request("fine", list(range(3, 30)), GREEDY)
     deltas = drain(engine)
@@ -160,16 +161,16 @@ def test_full_queue_and_invalid_requests_are_refused_without_side_effects(tiny_d
     with pytest.raises(QueueFullError):
         engine.add_request("c", [5, 6], GREEDY)
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("d", [5] * 250, SamplingParams(max_tokens=10))
+        engine.add_request("d", [5] * 250, SamplingOptions(max_tokens=10))
     assert err.value.param == "max_tokens" and "maximum context length is 256" in str(err.value)
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("e", [10 ** 6], GREEDY)
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("f", [5], SamplingParams(temperature=-1))
-    assert err.value.param == "temperature"
+        engine.add_request("f", [5], SamplingOptions(stop_token_ids=[engine.model_config.vocab_size]))
+    assert err.value.param == "stop_token_ids"
     with pytest.raises(InvalidRequestError) as err:  # n sequences start together: more than fit would never run
-        engine.add_request("g", [5], SamplingParams(n=engine.config.max_num_seqs + 1))
+        engine.add_request("g", [5], SamplingOptions(n=engine.config.max_num_seqs + 1))
     assert err.value.param == "n"
     with pytest.raises(InvalidRequestError):
         engine.add_request("a", [5], GREEDY)
@@ -191,7 +192,7 @@ def test_any_interleaving_leaves_no_page_leaked_and_no_request_lost(tiny_dir, op
         if op[0] == "add":
             rid = f"r{len(admitted)}-{op[1]}"
             try:
-                engine.add_request(rid, list(range(3, 3 + op[1])), SamplingParams(
+                engine.add_request(rid, list(range(3, 3 + op[1])), SamplingOptions(
                     n=op[3], temperature=0.8, seed=1, max_tokens=op[2], ignore_eos=True))
                 admitted.append(rid)
             except QueueFullError:

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.evaluate import (
+from services.executor.tools.evaluate import (
     DEFAULT_CORPUS, PROJECTIONS, SimulatedQuantization, evaluate, load_tokens, perplexity, swap_order,
 )
-from services.executor.engine.model import ForwardBatch, PrefillChunk, rms_norm
-from services.executor.engine.profile import decoder_layer, profile
+from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk, rms_norm
+from services.executor.tools.profile import decoder_layer, profile
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
 

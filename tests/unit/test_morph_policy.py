@@ -32,12 +32,12 @@ class FakeExecutor:
     def apply(self, commands):
         for c in commands:
             assert c.executor == self.name
-            if c.kind == "quantize":
-                for i in c.args["layers"]:
-                    assert self.layers[i] > c.args["bits"], f"layer {i} is already at {self.layers[i]}"
-                    self.layers[i] = c.args["bits"]
+            if c.args.kind == "quantize":
+                for i in c.args.layers:
+                    assert self.layers[i] > c.args.bits, f"layer {i} is already at {self.layers[i]}"
+                    self.layers[i] = c.args.bits
             else:
-                for i in c.args["layers"]:
+                for i in c.args.layers:
                     assert self.layers[i] <= 8, f"layer {i} is not quantized"
                     self.layers[i] = 16
 
@@ -78,7 +78,7 @@ def test_step_load_quantizes_every_k_windows_in_swap_order_int8_first_up_to_max_
     d = Driver()
     fired = [i for i in range(40) if d.window(PRESSURE)]
     assert fired == [2, 5, 8, 11]  # the k-th window of each run of k
-    args = [c.args for _, c in d.log]
+    args = [c.args.model_dump() for _, c in d.log]
     assert args == [{"layers": [5, 2], "bits": 8}, {"layers": [7, 0], "bits": 8},
                     {"layers": [5, 2], "bits": 4}, {"layers": [7, 0], "bits": 4}]
     assert sum(b <= 8 for b in d.ex.layers) == 4
@@ -88,7 +88,7 @@ def test_int4_only_and_single_layer_steps():
     d = Driver(MorphSettings(enter_windows=1, step=1, max_layers=3, bits_order=(4,)))
     for _ in range(10):
         d.window(PRESSURE)
-    assert [c.args for _, c in d.log] == [{"layers": [i], "bits": 4} for i in range(3)]
+    assert [c.args.model_dump() for _, c in d.log] == [{"layers": [i], "bits": 4} for i in range(3)]
 
 
 def test_calm_restores_in_reverse_only_after_m_windows_and_the_dwell():
@@ -99,7 +99,7 @@ def test_calm_restores_in_reverse_only_after_m_windows_and_the_dwell():
     restores = []
     for _ in range(200):
         for c in d.window(CALM):
-            restores.append((d.now, c.args["layers"]))
+            restores.append((d.now, c.args.layers))
     assert [r[1] for r in restores] == [[0, 7], [2, 5]]  # a restore goes all the way to FP16
     assert restores[0][0] >= last_quantize + 5.0 - 1e-9  # the dwell, not the 4 windows, held it
     assert restores[1][0] - restores[0][0] == pytest.approx(4 * d.dt)  # then every m windows
@@ -133,7 +133,7 @@ def test_release_test_blocks_a_restore_while_the_kv_in_use_would_not_fit():
     for _ in range(50):  # nothing restores while a request waits, however empty the KV
         assert not d.window(0.1, waiting=1)
     assert not d.window(0.7)  # 35 used: 38.5 <= 40
-    assert d.window(0.7)[0].args == {"layers": [1, 0]}
+    assert d.window(0.7)[0].args.model_dump() == {"layers": [1, 0]}
 
 
 def test_freed_pages_are_learned_and_unknown_widths_bounded_from_above():
@@ -179,7 +179,7 @@ def test_adapter_reads_the_controller_config_and_keeps_its_memory():
     controller = Controller(config, [make_policy()])
     ex = FakeExecutor()
     planned = [controller.plan(ClusterState(time=i * 0.2, executors=[ex.state(PRESSURE)])) for i in range(2)]
-    assert planned[0] == [] and planned[1][0].args == {"layers": [0], "bits": 8}  # 4 * 8 / 32 = 1 layer
+    assert planned[0] == [] and planned[1][0].args.model_dump() == {"layers": [0], "bits": 8}  # 4 * 8 / 32 = 1 layer
 
 
 def test_hysteresis_counts_windows_and_waits_out_the_dwell():
@@ -213,6 +213,6 @@ def test_oscillating_load_never_flaps_overshoots_or_restores_fp16(load, k, m, dw
         assert sum(b <= 8 for b in d.ex.layers) <= max_layers
     last = None
     for now, c in d.log:
-        if last is not None and (last[1], c.kind) == ("quantize", "restore"):
+        if last is not None and (last[1], c.args.kind) == ("quantize", "restore"):
             assert now - last[0] >= dwell - 1e-9, (last, now, c)
-        last = (now, c.kind)
+        last = (now, c.args.kind)

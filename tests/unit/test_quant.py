@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.executor.engine.quant import quantize_int4, quantize_int8
+from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (9, 256), (1536, 576 - 64)])
@@ -37,6 +37,6 @@ def test_int4_refuses_widths_that_do_not_split_into_groups():
 
 
 def test_int4_group_is_the_largest_even_divisor_up_to_128():
-    from services.executor.engine.quant import int4_group
+    from services.executor.engine.morphing.quant import int4_group
 
     assert int4_group(1536) == 128 and int4_group(576) == 96 and int4_group(4096) == 128 and int4_group(64) == 64

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kernels.w4a16 import w4a16_linear, w4a16_linear_ref, w4a16_linear_triton
 from kernels.w8a16 import w8a16_linear, w8a16_linear_ref, w8a16_linear_triton
-from services.executor.engine.quant import quantize_int4, quantize_int8
+from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 
 ATOL = 1e-5
 RTOL = 1e-5

@@ -1,4 +1,4 @@
-"""Sampler and SamplingParams tests.
+"""Sampler and SamplingOptions tests.
 
 The sampler is the one place where a silent bug changes every answer without crashing, so these
 tests pin its semantics against independent reference computations: greedy picks, seeded
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.engine.errors import InvalidRequestError
-from services.executor.engine.sampler import CANDIDATES, SamplingRow, _truncate, apply_penalties, sample
-from services.executor.engine.sampling_params import SamplingParams
+from shared.errors import InvalidRequestError
+from services.executor.engine.scheduling.sampler import CANDIDATES, SamplingRow, _truncate, apply_penalties, sample
+from shared.sampling import SamplingOptions
 
 VOCAB = 50
 
@@ -24,8 +24,8 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def row(params: SamplingParams | None = None, seed: int | None = 0, prompt=(), output=(), eos=()):
-    params = params or SamplingParams()
+def row(params: SamplingOptions | None = None, seed: int | None = 0, prompt=(), output=(), eos=()):
+    params = params or SamplingOptions()
     gen = None if params.greedy else torch.Generator().manual_seed(seed if seed is not None else 0)
     return SamplingRow(params, gen, list(prompt), list(output), tuple(eos))
 
@@ -33,15 +33,15 @@ def row(params: SamplingParams | None = None, seed: int | None = 0, prompt=(), o
 def test_greedy_is_argmax_and_leaves_input_alone():
     logits = random_logits(6)
     before = logits.clone()
-    out = sample(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
+    out = sample(logits, [row(SamplingOptions(temperature=0.0)) for _ in range(6)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs is None and out.top_logprobs is None
     assert torch.equal(logits, before)
 
 
-def run_seeded(seed: int, mates: list[SamplingParams], steps: int = 12) -> list[int]:
+def run_seeded(seed: int, mates: list[SamplingOptions], steps: int = 12) -> list[int]:
     """Token sequence of one seeded row (batched with `mates`) fed back over `steps` steps."""
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
+    params = SamplingOptions(temperature=0.9, top_p=0.95, seed=seed)
     target = row(params, seed=seed, prompt=[1, 2, 3])
     others = [row(p, seed=100 + i, prompt=[4, 5]) for i, p in enumerate(mates)]
     tokens = []
@@ -58,9 +58,9 @@ def test_seeded_row_is_reproducible_whatever_its_batch_mates():
     alone = run_seeded(7, [])
     assert run_seeded(7, []) == alone
     mates = [
-        SamplingParams(temperature=0.0, logprobs=3),
-        SamplingParams(top_k=5, min_p=0.1, repetition_penalty=1.3, frequency_penalty=0.5),
-        SamplingParams(temperature=1.5, top_p=0.5, min_tokens=4),
+        SamplingOptions(temperature=0.0, logprobs=3),
+        SamplingOptions(top_k=5, min_p=0.1, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingOptions(temperature=1.5, top_p=0.5, min_tokens=4),
     ]
     assert run_seeded(7, mates) == alone
 
@@ -72,7 +72,7 @@ def test_different_seeds_give_different_sequences():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)],
+    [SamplingOptions(top_k=1), SamplingOptions(top_p=1e-6), SamplingOptions(min_p=1.0)],
     ids=["top_k=1", "top_p=tiny", "min_p=1"],
 )
 def test_extreme_truncation_equals_greedy(params):
@@ -81,7 +81,7 @@ def test_extreme_truncation_equals_greedy(params):
     assert sample(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
-def empirical(logits_row: torch.Tensor, params: SamplingParams, draws: int, seed: int) -> torch.Tensor:
+def empirical(logits_row: torch.Tensor, params: SamplingOptions, draws: int, seed: int) -> torch.Tensor:
     """Token frequencies over `draws` independent draws, batched with one shared generator."""
     gen = torch.Generator().manual_seed(seed)
     rows = [SamplingRow(params, gen, [], []) for _ in range(draws)]
@@ -92,7 +92,7 @@ def empirical(logits_row: torch.Tensor, params: SamplingParams, draws: int, seed
 def test_frequencies_match_softmax_at_temperature_one():
     logits = random_logits(1, vocab=8, seed=11, scale=1.0)[0]
     draws = 20_000
-    freq = empirical(logits, SamplingParams(temperature=1.0), draws, seed=5)
+    freq = empirical(logits, SamplingOptions(temperature=1.0), draws, seed=5)
     expected = logits.double().softmax(-1)
     chi_square = (draws * (freq - expected) ** 2 / expected).sum().item()
     # 7 degrees of freedom: P(chi2 > 40) is about 1e-6, and the draw is seeded anyway.
@@ -102,7 +102,7 @@ def test_frequencies_match_softmax_at_temperature_one():
 def test_lower_temperature_sharpens():
     logits = random_logits(1, vocab=8, seed=12, scale=1.0)[0]
     top = logits.argmax().item()
-    share = [empirical(logits, SamplingParams(temperature=t), 5000, seed=1)[top] for t in (2.0, 1.0, 0.3)]
+    share = [empirical(logits, SamplingOptions(temperature=t), 5000, seed=1)[top] for t in (2.0, 1.0, 0.3)]
     assert share[0] < share[1] < share[2]
 
 
@@ -127,7 +127,7 @@ def test_apply_penalties_follows_the_formulas():
 def test_penalties_steer_sampling_but_not_logprobs():
     logits = random_logits(1, seed=9)
     best = logits.argmax().item()
-    params = SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=0)
+    params = SamplingOptions(temperature=0.0, frequency_penalty=2.0, logprobs=0)
     out = sample(logits, [row(params, output=[best] * 10)])
     assert out.token_ids[0] != best
     expected = torch.log_softmax(logits[0], -1)[out.token_ids[0]].item()
@@ -138,7 +138,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = random_logits(1, seed=2)
     logits[0, 7] = 100.0  # eos
     logits[0, 9] = 90.0  # stop token id
-    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9])
+    params = SamplingOptions(temperature=0.0, min_tokens=3, stop_token_ids=[9])
     early = sample(logits, [row(params, output=[1], eos=(7,))]).token_ids[0]
     allowed = logits.clone()
     allowed[0, [7, 9]] = float("-inf")
@@ -149,10 +149,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 def test_logprobs_are_raw_log_softmax_and_top_lists_are_sorted():
     logits = random_logits(4, seed=6)
     params = [
-        SamplingParams(temperature=0.7, logprobs=5, repetition_penalty=1.8),
-        SamplingParams(logprobs=0),
-        SamplingParams(),
-        SamplingParams(temperature=0.0, logprobs=20),
+        SamplingOptions(temperature=0.7, logprobs=5, repetition_penalty=1.8),
+        SamplingOptions(logprobs=0),
+        SamplingOptions(),
+        SamplingOptions(temperature=0.0, logprobs=20),
     ]
     out = sample(logits, [row(p, seed=i, prompt=[1, 2]) for i, p in enumerate(params)])
     reference = torch.log_softmax(logits, -1)
@@ -178,30 +178,36 @@ def test_logprobs_are_raw_log_softmax_and_top_lists_are_sorted():
         ("min_p", -0.1), ("min_p", 1.5), ("presence_penalty", 2.5), ("presence_penalty", -3),
         ("frequency_penalty", 2.1), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
         ("repetition_penalty", 2.5), ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1),
-        ("min_tokens", 17), ("stop", [""]), ("stop", ["x"] * 17), ("stop_token_ids", [-1]),
-        ("stop_token_ids", [VOCAB]), ("logprobs", -1), ("logprobs", 21), ("seed", 2**64),
-        ("seed", -(2**63) - 1), ("seed", 1.5),
+        ("min_tokens", 17), ("stop", [""]), ("stop", ["x"] * 17), ("stop", [3]), ("stop_token_ids", [-1]),
+        ("logprobs", -1), ("logprobs", 21), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
+        ("temperature", True), ("ignore_eos", "yes"),
     ],
 )
 def test_validation_names_the_bad_field(field, value):
     with pytest.raises(InvalidRequestError) as err:
-        SamplingParams(**{field: value}).validate(VOCAB)
+        SamplingOptions.checked(**{field: value})
     assert err.value.param == field
     assert field in str(err.value)
 
 
+def test_a_bus_message_with_bad_options_is_refused_by_the_same_rules():
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingOptions.model_validate({"top_p": 0})
+    assert err.value.param == "top_p"
+
+
 def test_validation_accepts_boundaries():
-    SamplingParams().validate(VOCAB)
-    SamplingParams(
+    SamplingOptions()
+    SamplingOptions(
         n=128, temperature=2, top_p=1, top_k=-1, min_p=1, presence_penalty=-2, frequency_penalty=2,
         repetition_penalty=2, max_tokens=None, min_tokens=1000, stop="end", stop_token_ids=[0, VOCAB - 1],
         logprobs=20, seed=2**64 - 1,
-    ).validate(VOCAB)
-    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-6).greedy
-    assert not SamplingParams(temperature=0.01).greedy
+    )
+    assert SamplingOptions(temperature=0.0).greedy and SamplingOptions(temperature=1e-6).greedy
+    assert not SamplingOptions(temperature=0.01).greedy
 
 
-def allowed_tokens(logits: torch.Tensor, p: SamplingParams, slack: float = 1e-4) -> set[int]:
+def allowed_tokens(logits: torch.Tensor, p: SamplingOptions, slack: float = 1e-4) -> set[int]:
     """Independent float64 reference of what top-k, top-p and min-p leave. A positive `slack`
     forgives float32 rounding at the boundaries (a superset), a negative one demands a margin."""
     scaled = logits.double() / p.temperature
@@ -224,7 +230,7 @@ def test_truncation_matches_a_full_sort(scale, top_k, top_p):
     # A vocabulary larger than CANDIDATES exercises both the candidate fast path and the fallback.
     vocab = 3 * CANDIDATES
     logits = random_logits(3, vocab=vocab, seed=top_k, scale=scale)
-    params = SamplingParams(top_k=top_k, top_p=top_p)
+    params = SamplingOptions(top_k=top_k, top_p=top_p)
     kept = _truncate(
         logits.clone(),
         torch.full((3,), top_k if top_k > 0 else vocab),
@@ -250,8 +256,7 @@ def test_truncation_matches_a_full_sort(scale, top_k, top_p):
 def test_any_valid_params_sample_an_allowed_token(
     vocab, temperature, top_p, top_k, min_p, logits_seed, sample_seed, scale
 ):
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=sample_seed)
-    params.validate(vocab)
+    params = SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=sample_seed)
     logits = random_logits(4, vocab=vocab, seed=logits_seed, scale=scale)
     out = sample(logits, [row(params, seed=sample_seed + i) for i in range(4)])
     for i, token in enumerate(out.token_ids):

@@ -9,12 +9,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.errors import QueueFullError
-from services.executor.engine.ledger import PageLedger
-from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.scheduler import Scheduler
-from services.executor.engine.sequence import Sequence, Status
+from services.executor.engine.memory.ledger import PageLedger
+from shared.sampling import SamplingOptions
+from services.executor.engine.scheduling.scheduler import Scheduler
+from services.executor.engine.scheduling.sequence import Sequence, Status
 
 BLOCK = 4
 PAGES = 40
@@ -29,7 +29,7 @@ def make_scheduler(**kw) -> Scheduler:
 
 
 def seq(request_id: str, prompt_len: int, n: int = 1) -> Sequence:
-    return Sequence(request_id, 0, list(range(prompt_len)), SamplingParams(n=n), 0.0, fork_into=n)
+    return Sequence(request_id, 0, list(range(prompt_len)), SamplingOptions(n=n), 0.0, fork_into=n)
 
 
 def run_step(s: Scheduler, finish_after: int = 1 << 30) -> list[Sequence]:

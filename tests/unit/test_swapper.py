@@ -5,12 +5,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.swapper import SwapError
+from shared.sampling import SamplingOptions
+from services.executor.engine.morphing.swapper import SwapError
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=20, ignore_eos=True)
 PAGE = 8192  # the tiny model's page: 8 tokens x 4 layers x k|v x 2 kv heads x 16 dims x 4 bytes
 
 
@@ -95,7 +95,7 @@ def test_restore_relocates_live_kv_and_outputs_match_a_run_that_did_not_need_to(
     live blocks out of the slots into them. The survivors fit the restored capacity, so no preemption
     (whose recomputation is numerically a hair different) muddies the comparison."""
     prompts = [list(range(3, 23)), list(range(30, 50)), list(range(60, 104)), list(range(110, 120))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingOptions(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def morph(engine, step):
         if step == 0:
@@ -120,7 +120,7 @@ def test_a_restore_that_cannot_make_room_is_refused_and_changes_nothing(tiny_dir
     engine = tiny(tiny_dir, kv_pages=8, max_num_seqs=8)
     engine.swapper.set_bits([0, 1, 2, 3], 4)  # the extension pages are used once the 8 base pages are
     for i in range(6):
-        engine.add_request(f"r{i}", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=20,
+        engine.add_request(f"r{i}", list(range(3, 40)), SamplingOptions(temperature=0.0, max_tokens=20,
                                                                         ignore_eos=True))
     for _ in range(4):
         engine.step()
@@ -148,7 +148,7 @@ def test_any_interleaving_of_requests_swaps_and_aborts_keeps_pages_exact(tiny_di
         if op[0] == "add":
             try:
                 engine.add_request(f"r{len(added)}", list(range(3, 3 + op[1])),
-                                   SamplingParams(n=op[2], temperature=0.5, seed=3, max_tokens=8, ignore_eos=True))
+                                   SamplingOptions(n=op[2], temperature=0.5, seed=3, max_tokens=8, ignore_eos=True))
                 added.append(f"r{len(added)}")
             except Exception as exc:  # a full queue is a legal answer; anything else is a failure
                 assert type(exc).__name__ == "QueueFullError"

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from services.executor.engine import variants
+from services.executor.engine.morphing import variants
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model import LINEARS
-from services.executor.engine.quant import Int4Weight, Int8Weight, int4_group, quantize_int4, quantize_int8
-from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.variants import VariantStore, calibration_windows, trace_linear_inputs
+from services.executor.engine.model.decoder import LINEARS
+from services.executor.engine.morphing.quant import Int4Weight, Int8Weight, int4_group, quantize_int4, quantize_int8
+from shared.sampling import SamplingOptions
+from services.executor.engine.morphing.variants import VariantStore, calibration_windows, trace_linear_inputs
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3
 
@@ -104,7 +104,7 @@ def test_the_host_cap_is_respected_and_the_rest_comes_from_disk(tiny_dir, tmp_pa
 
 def test_swaps_under_a_zero_cap_restore_the_model_exactly(tiny_dir, tmp_path):
     eng = engine(tiny_dir, tmp_path, host_memory_cap=0, prepare_variants=True)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingOptions(temperature=0.0, max_tokens=12, ignore_eos=True)
     before = [c.outputs[0].token_ids for c in eng.generate([list(range(3, 20))], params)]
     eng.swapper.set_bits([0, 1, 2, 3], 8)
     eng.swapper.set_bits([1, 3], 4)

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
-from services.controller.loop import PlannedCommand, Policy
+from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import ControllerConfig
-from shared.messages import ClusterState, ExecutorState
+from shared.messages import ClusterState, ExecutorState, QuantizeArgs, RestoreArgs
 
 MODES = ("off", "accuracy", "default", "performance")
 QUANT_BITS = (8, 4)
@@ -211,6 +211,14 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
             and es.kv_usage * capacity <= settings.kv_low * after)
 
 
+def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
+    """The signals the marks are compared with, for the audit trail."""
+    t = es.telemetry
+    return (f"KV {es.kv_usage:.0%} used (marks {settings.kv_low:.0%}/{settings.kv_high:.0%}), queue delay "
+            f"{es.queue_delay_s:.2f} s (marks {settings.queue_delay_low_s:g}/{settings.queue_delay_high_s:g} s), "
+            f"{t.waiting} waiting, {t.kv.pages_free} KV pages free")
+
+
 SettingsSource = MorphSettings | Callable[[int], MorphSettings]
 
 
@@ -232,9 +240,11 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now)
     commands = []
     if event == "enter" and up is not None:
-        commands.append(PlannedCommand(es.executor, "quantize", {"layers": up[0], "bits": up[1]}))
+        why = f"pressure for {settings.enter_windows} windows: {load_summary(es, settings)}"
+        commands.append(PlannedCommand(es.executor, QuantizeArgs(layers=up[0], bits=up[1]), why))
     elif event == "leave":
-        commands.append(PlannedCommand(es.executor, "restore", {"layers": down}))
+        why = f"calm for {settings.leave_windows} windows: {load_summary(es, settings)}"
+        commands.append(PlannedCommand(es.executor, RestoreArgs(layers=down), why))
     return commands, ExecutorMemory(hysteresis, freed)
 
 

@@ -13,21 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.arena import Arena, ArenaGeometry
-from services.executor.engine.block_manager import BlockManager
-from services.executor.engine.errors import DuplicateRequestError, InvalidRequestError
-from services.executor.engine.ledger import LedgerSnapshot
-from services.executor.engine.loader import load_checkpoint, resolve_model_path
-from services.executor.engine.model import DecoderModel, layer_layout
-from services.executor.engine.outputs import Completion, CompletionDelta, CompletionOutput, TextStream, TokenLogprob
+from services.executor.engine.memory.arena import Arena, ArenaGeometry
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.errors import DuplicateRequestError
+from shared.errors import InvalidRequestError
+from services.executor.engine.memory.ledger import LedgerSnapshot
+from services.executor.engine.model.loader import load_checkpoint, resolve_model_path
+from services.executor.engine.model.decoder import DecoderModel, layer_layout
+from services.executor.engine.scheduling.outputs import Completion, CompletionDelta, CompletionOutput, TextStream, TokenLogprob
 from services.executor.engine.runner import ModelRunner
-from services.executor.engine.sampler import SamplingRow, sample
-from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.scheduler import Scheduler
-from services.executor.engine.swapper import LayerSwapper
-from services.executor.engine.sequence import Sequence, Status
-from services.executor.engine.tokenizer import Tokenizer
-from services.executor.engine.variants import VariantStore, calibration_windows
+from services.executor.engine.scheduling.sampler import SamplingRow, sample
+from shared.sampling import SamplingOptions
+from services.executor.engine.scheduling.scheduler import Scheduler
+from services.executor.engine.morphing.swapper import LayerSwapper
+from services.executor.engine.scheduling.sequence import Sequence, Status
+from services.executor.engine.model.tokenizer import Tokenizer
+from services.executor.engine.morphing.variants import VariantStore, calibration_windows
 from shared.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -86,20 +87,23 @@ class LLMEngine:
                  snap.pages_kv * config.block_size, self.max_model_len)
 
     # --- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingOptions,
                     deadline: float | None = None, arrival_time: float | None = None) -> int:
         """Admit a request; returns its prompt length. Raises InvalidRequestError or QueueFullError."""
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
-        params.validate(self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got "
+                                      f"{params.stop_token_ids}", param="stop_token_ids")
         if params.n > self.config.max_num_seqs:  # its n sequences start together, so it could never run
             raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} (the sequences this engine "
                                       f"runs at once), got {params.n}", param="n")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise InvalidRequestError("prompt must contain at least one token", param="prompt")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})",
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
                                       param="prompt")
         wanted = len(prompt_ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
@@ -121,6 +125,10 @@ class LLMEngine:
             return False
         self._end_request(request_id, "abort")
         return True
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether any sequence of the request is still running or waiting."""
+        return request_id in self._requests
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._pending)
@@ -218,9 +226,10 @@ class LLMEngine:
         if finished:
             del self._text[seq.seq_id]
         return CompletionDelta(seq.request_id, seq.index, tokens, text, stamps, logprob, finished,
-                               seq.finish_reason, seq.stop_reason, len(seq.prompt_ids), len(seq.output_ids))
+                               seq.finish_reason, seq.stop_reason, len(seq.prompt_ids), len(seq.output_ids),
+                               seq.first_scheduled_time)
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _generator(self, params: SamplingOptions, index: int) -> torch.Generator | None:
         if params.greedy:
             return None
         seed = params.seed + index if params.seed is not None else self._rng.randrange(1 << 62)
@@ -232,7 +241,7 @@ class LLMEngine:
                            preemptions=self.scheduler.num_preemptions, ledger=self.arena.ledger.snapshot(),
                            **self._counts)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    def generate(self, prompts: list[str | list[int]], params: SamplingOptions | list[SamplingOptions]
                  ) -> list[Completion]:
         """Offline generation of a whole batch (tests and benchmarks); returns completions in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)

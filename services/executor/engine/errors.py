@@ -1,4 +1,9 @@
-"""Typed engine errors. Each carries the context a caller needs to report it without parsing text."""
+"""Typed engine errors. Each carries the context a caller needs to report it without parsing text.
+
+Invalid requests raise shared.errors.InvalidRequestError, which the gateway raises for the same rules.
+"""
+
+from shared.errors import InvalidRequestError
 
 
 class EngineError(Exception):
@@ -26,12 +31,13 @@ class LedgerError(EngineError):
     """A page was about to be used twice, or freed while not in use: a bug, never a user error."""
 
 
-class InvalidRequestError(EngineError, ValueError):
-    """A request or one of its sampling parameters is out of range; `param` names the culprit."""
+class OutOfPagesError(EngineError):
+    """An operation needs more free KV pages than there are; nothing was changed."""
 
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+    def __init__(self, needed: int, free: int, what: str):
+        super().__init__(f"{what} needs {needed} free KV pages, but only {free} are free")
+        self.needed = needed
+        self.free = free
 
 
 class QueueFullError(EngineError):
@@ -44,6 +50,8 @@ class QueueFullError(EngineError):
 
 
 class DuplicateRequestError(InvalidRequestError):
+    """A request id the engine already holds: a caller's bug, reported like any invalid request."""
+
     def __init__(self, request_id: str):
         super().__init__(f"request id {request_id!r} is already in the engine", param="request_id")
         self.request_id = request_id

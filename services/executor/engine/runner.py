@@ -21,8 +21,8 @@ def length_groups(lengths: list[int]) -> list[int]:
 import torch
 
 from kernels.block_copy import copy_blocks
-from services.executor.engine.model import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
-from services.executor.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:

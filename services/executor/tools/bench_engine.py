@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.loader import resolve_model_path
-from services.executor.engine.sampling_params import SamplingParams
+from services.executor.engine.model.loader import resolve_model_path
+from shared.sampling import SamplingOptions
 from shared.config import EngineConfig, data_dir, parse_size
 
 
@@ -37,7 +37,7 @@ def sharegpt_prompts(engine: LLMEngine, path: Path, count: int, max_prompt_token
 
 
 def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingOptions(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     done = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start

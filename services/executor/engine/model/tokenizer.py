@@ -19,7 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
+from shared.errors import InvalidRequestError
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.evaluate import (
+from services.executor.tools.evaluate import (
     DEFAULT_CORPUS, DEFAULT_PROFILE, SimulatedQuantization, load_tokens, require_full_precision,
 )
-from services.executor.engine.model import DecoderModel, rms_norm, rotate
+from services.executor.engine.model.decoder import DecoderModel, rms_norm, rotate
 from shared.config import EngineConfig, parse_size
 
 WEIGHTS = {"lts": 0.25, "lrs": 0.25, "mds": 0.5}

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model import ForwardBatch, PrefillChunk
-from services.executor.engine.quant import int4_group, quantize_int4, quantize_int8
-from services.executor.engine.variants import DEFAULT_CORPUS
+from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk
+from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
+from services.executor.engine.morphing.variants import DEFAULT_CORPUS
 from shared.config import RESULTS_DIR, EngineConfig, parse_size
 
 DEFAULT_PROFILE = RESULTS_DIR / "lis_profile.json"

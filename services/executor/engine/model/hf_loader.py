@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, _check_supported, _source_name
-from .errors import ModelLoadError, UnsupportedModelError
-from .model_config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
+from services.executor.engine.model.checkpoint import Checkpoint, _check_supported, _source_name
+from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
+from services.executor.engine.model.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -19,10 +19,10 @@ from kernels.paged_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.w4a16 import w4a16_linear
 from kernels.w8a16 import w8a16_linear
-from services.executor.engine.arena import Arena, align
-from services.executor.engine.checkpoint import Checkpoint
-from services.executor.engine.model_config import ModelConfig
-from services.executor.engine.quant import int4_group
+from services.executor.engine.memory.arena import Arena, align
+from services.executor.engine.model.checkpoint import Checkpoint
+from services.executor.engine.model.config import ModelConfig
+from services.executor.engine.morphing.quant import int4_group
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -3,8 +3,11 @@
 The ledger owns the pages; this class only decides which of them each sequence uses.
 """
 
-from services.executor.engine.ledger import PageLedger
-from services.executor.engine.sequence import Sequence
+from collections.abc import Iterable
+
+from services.executor.engine.errors import OutOfPagesError
+from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.scheduling.sequence import Sequence
 
 
 class BlockManager:
@@ -48,6 +51,20 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         for page in child.block_table:
             self.ledger.incref(page)
+
+    def evacuate(self, pages: set[int], holders: Iterable[Sequence]) -> dict[int, int]:
+        """Move the live KV blocks in `pages` to free pages elsewhere and repoint the block tables of
+        `holders` (every sequence that holds pages). Returns {old page: new page}: the caller copies
+        the data. Raises OutOfPagesError, changing nothing, when too few pages are free elsewhere."""
+        live = [p for p in sorted(pages) if self.ledger.refcount(p) > 0]
+        room = self.ledger.free_outside(pages)
+        if len(live) > room:
+            raise OutOfPagesError(len(live), room, f"moving {len(live)} live KV blocks")
+        moved = {page: self.ledger.relocate(page, pages) for page in live}
+        if moved:
+            for seq in holders:
+                seq.block_table = [moved.get(p, p) for p in seq.block_table]
+        return moved
 
     def free(self, seq: Sequence) -> None:
         for page in reversed(seq.block_table):

@@ -47,12 +47,12 @@ def _fake_pynvml(devices: int, init_fails: bool = False) -> types.ModuleType:
 def nvml(monkeypatch):
     def load(fake):
         monkeypatch.setitem(sys.modules, "pynvml", fake)
-        import services.monitor.nvml as module
+        import services.executor.gpu as module
 
         return importlib.reload(module)  # fresh module state: nothing tried yet
 
     yield load
-    import services.monitor.nvml as module
+    import services.executor.gpu as module
 
     monkeypatch.undo()
     importlib.reload(module)

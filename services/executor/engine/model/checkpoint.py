@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .errors import ModelLoadError
-from .model_config import ModelConfig
+from services.executor.engine.errors import ModelLoadError
+from services.executor.engine.model.config import ModelConfig
 
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.arena import Arena
-from services.executor.engine.errors import EngineError
-from services.executor.engine.model import DecoderModel, layer_layout, variant_layout
-from services.executor.engine.scheduler import Scheduler
-from services.executor.engine.variants import VariantStore
+from services.executor.engine.memory.arena import Arena
+from services.executor.engine.errors import EngineError, OutOfPagesError
+from services.executor.engine.model.decoder import DecoderModel, layer_layout, variant_layout
+from services.executor.engine.scheduling.scheduler import Scheduler
+from services.executor.engine.morphing.variants import VariantStore
 
 
 class SwapError(EngineError):
@@ -51,6 +51,33 @@ class LayerSwapper:
             layout, nbytes = variant_layout(model.cfg, dtype, bits)
             self._layouts[bits] = layout
             self._pages[bits] = arena.geometry.pages_for_bytes(nbytes)
+        self._order = list(range(len(model.layers)))
+
+    @property
+    def swap_order(self) -> list[int]:
+        """The order layers are quantized in when a command gives a count (an LIS profile; front to back
+        until one is set)."""
+        return list(self._order)
+
+    @swap_order.setter
+    def swap_order(self, order: list[int]) -> None:
+        num = len(self.model.layers)
+        if sorted(order) != list(range(num)):
+            raise SwapError(f"a swap order must name each of the {num} layers once, got {order}")
+        self._order = list(order)
+
+    def next_layers(self, count: int, bits: int) -> list[int]:
+        """The `count` layers that going to `bits` takes next: quantizing walks the swap order over layers
+        wider than `bits`; restoring (full precision) walks it backwards over quantized layers, so the most
+        recently quantized come back first."""
+        current, full = self.model.layer_bits, self.model.full_bits
+        if bits == full:
+            candidates = [i for i in reversed(self._order) if current[i] < full]
+        else:
+            candidates = [i for i in self._order if current[i] > bits]
+        if not 1 <= count <= len(candidates):
+            raise SwapError(f"layers must be between 1 and {len(candidates)} here, got {count}")
+        return candidates[:count]
 
     def pages_for(self, bits: int) -> int:
         """Slot pages a layer occupies at `bits` (the rest of its slot serves as KV)."""
@@ -88,27 +115,17 @@ class LayerSwapper:
         return self.arena.slot_range(layer)
 
     def _vacate(self, pages: set[int]) -> int:
-        """Move live KV out of `pages` (copy, then patch every block table); returns the pages moved.
+        """Move live KV out of `pages` (block tables first, then the data); returns the pages moved.
         Refuses, changing nothing, when the KV pages elsewhere cannot take it."""
-        ledger = self.arena.ledger
-        live = [p for p in sorted(pages) if ledger.refcount(p) > 0]
-        if len(live) > ledger.free_outside(pages):
-            raise SwapError(f"restoring needs {len(live)} live KV blocks moved out of the layers' slots, but only "
-                            f"{ledger.free_outside(pages)} free KV pages are elsewhere")
-        moved = {}
-        for page in live:
-            dst = ledger.allocate_outside(pages)
-            for _ in range(ledger.refcount(page) - 1):
-                ledger.incref(dst)
-            while ledger.refcount(page):
-                ledger.decref(page)
-            moved[page] = dst
+        try:
+            moved = self.scheduler.evacuate(pages)
+        except OutOfPagesError as exc:
+            raise SwapError(f"restoring needs {exc.needed} live KV blocks moved out of the layers' slots, but only "
+                            f"{exc.free} free KV pages are elsewhere") from exc
         if moved:
             device = self.arena.buffer.device
             src, dst = torch.tensor(list(moved), device=device), torch.tensor(list(moved.values()), device=device)
             self.arena.kv_cache[dst] = self.arena.kv_cache[src]
-            for seq in self.scheduler.running:
-                seq.block_table = [moved.get(p, p) for p in seq.block_table]
         return len(moved)
 
     # --- weights ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingOptions
 
 # How many best tokens per row top-k/top-p look at before falling back to a full sort.
 CANDIDATES = 1024
@@ -20,7 +20,7 @@ CANDIDATES = 1024
 
 @dataclass
 class SamplingRow:
-    params: SamplingParams
+    params: SamplingOptions
     generator: torch.Generator | None  # None only for greedy rows; otherwise torch's global RNG
     prompt_ids: list[int]
     output_ids: list[int]
@@ -98,7 +98,7 @@ def apply_penalties(
     return logits
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
+def _uses_penalties(params: SamplingOptions) -> bool:
     return (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0

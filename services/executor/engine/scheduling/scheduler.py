@@ -12,9 +12,9 @@ Policy, in order, under one per-step token budget:
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.errors import QueueFullError
-from services.executor.engine.sequence import Sequence, Status
+from services.executor.engine.scheduling.sequence import Sequence, Status
 
 
 @dataclass
@@ -70,6 +70,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
+
+    def evacuate(self, pages: set[int]) -> dict[int, int]:
+        """Move every sequence's live KV out of `pages` (see BlockManager.evacuate)."""
+        return self.blocks.evacuate(pages, [*self.running, *self.waiting])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

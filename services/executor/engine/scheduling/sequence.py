@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.executor.engine.sampling_params import SamplingParams
+from shared.sampling import SamplingOptions
 
 
 class Status(enum.Enum):
@@ -27,7 +27,7 @@ class Sequence:
     request_id: str
     index: int  # which of the request's n completions
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingOptions
     arrival_time: float
     deadline: float | None = None  # absolute time.time() after which the request is abandoned
     fork_into: int = 1  # completions to fork into when the prompt is done (n for the first sequence)

@@ -7,7 +7,7 @@ tensor) is checked at load time, so that a bad checkpoint fails before any memor
 
 This module resolves the model argument to a path and dispatches on its format; the formats
 themselves live in gguf_loader.py and hf_loader.py, their shared base in checkpoint.py. Every name
-they define that callers use is re-exported here, so `services.executor.engine.loader` stays the
+they define that callers use is re-exported here, so `services.executor.engine.model.loader` stays the
 one import point.
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from .errors import ModelLoadError
+from services.executor.engine.errors import ModelLoadError
 
-from .checkpoint import Checkpoint
-from .gguf_loader import _load_gguf
-from .hf_loader import _load_hf
+from services.executor.engine.model.checkpoint import Checkpoint
+from services.executor.engine.model.gguf_loader import _load_gguf
+from services.executor.engine.model.hf_loader import _load_hf
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

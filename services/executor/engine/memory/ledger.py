@@ -103,6 +103,16 @@ class PageLedger:
     def free_outside(self, avoid: Container[int]) -> int:
         return sum(1 for p in self._free if p not in avoid)
 
+    def relocate(self, page: int, avoid: Container[int]) -> int:
+        """Hand every reference of the used KV page `page` to a free page outside `avoid`, and free `page`.
+        Returns the new page; copying the data and repointing the holders is the caller's part."""
+        self._check_used(page)
+        new = self.allocate_outside(avoid)
+        self._refcount[new], self._refcount[page] = self._refcount[page], 0
+        self._free.add(page)
+        heapq.heappush(self._free_heap, -page)
+        return new
+
     def incref(self, page: int) -> None:
         self._check_used(page)
         self._refcount[page] += 1

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from services.executor.engine.sampling_params import SamplingParams
-from services.executor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.sampling import SamplingOptions
+from services.executor.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -27,6 +27,7 @@ class CompletionDelta:
     stop_reason: int | str | None  # the stop string or stop token id that ended it
     num_prompt_tokens: int
     num_output_tokens: int
+    first_scheduled: float | None = None  # time.time() when the request was first scheduled, once it was
 
 
 @dataclass
@@ -64,7 +65,7 @@ class TextStream:
     start of a stop string that the next token completes, and text once streamed cannot be taken back.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingOptions):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stops = params.stop
         self.holdback = max((len(s) for s in self.stops), default=1) - 1

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
-from services.executor.engine.model import LINEARS, DecoderModel, layer_layout, rotate, variant_layout
-from services.executor.engine.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
+from services.executor.engine.model.decoder import LINEARS, DecoderModel, layer_layout, rotate, variant_layout
+from services.executor.engine.morphing.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
 from shared.config import data_dir
 
 FORMAT_VERSION = 2  # 2: AWQ scales INT4 only. Bump when what a cache directory holds changes meaning

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.engine.errors import MemoryBudgetError
-from services.executor.engine.ledger import PageLedger
+from services.executor.engine.memory.ledger import PageLedger
 
 # Weight views inside a slot start on this boundary so that vectorised loads stay aligned.
 ALIGN_BYTES = 256

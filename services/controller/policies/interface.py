@@ -1,0 +1,18 @@
+"""What every policy is: a pure function from the cluster state to the commands it wants sent."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.config import ControllerConfig
+from shared.messages import ClusterState, CommandArgs
+
+
+@dataclass(frozen=True)
+class PlannedCommand:
+    executor: str
+    args: CommandArgs
+    reason: str = ""  # why, in a sentence with the numbers that decided it: kept in the audit event
+
+
+# (current state, earlier states oldest first, config) -> commands to send.
+Policy = Callable[[ClusterState, list[ClusterState], ControllerConfig], list[PlannedCommand]]

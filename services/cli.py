@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("services.gateway.app", "the OpenAI-compatible HTTP front end"),
     "executor": ("services.executor.service", "one engine on one device, serving requests from the bus"),
     "monitor": ("services.monitor.service", "turns executor telemetry into the cluster state"),
-    "controller": ("services.controller.service", "morphs executors under load, cheapest lever first"),
+    "controller": ("services.controller.service", "quantizes layers under load and restores them after (MorphServe)"),
     "bench-engine": ("services.executor.tools.bench_engine",
                      "offline generation throughput: our engine vs transformers.generate"),
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("services.executor.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
     "morph": ("services.admin_cli:morph_main", "quantize or restore layers by hand through a gateway"),
     "status": ("services.admin_cli:status_main", "the cluster as a gateway sees it: load, KV pages, layer bits"),
+    "events": ("services.events_cli", "what the controller and the monitor decided, and why, from the event stream"),
 }
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, served_model_name
-from shared.net import free_port
+from shared.net import free_port, port_is_free
 
 MORPHING_MODES = ("accuracy", "default", "performance")
+NATS_PORT = 4222
 # The order of a clean stop: the gateway drains first while executors can still finish its requests.
 STOP_ORDER = ("gateway", "executor", "controller", "monitor", "nats-server")
 # The gateway drains for up to GatewayConfig.drain_timeout_s (30 s) before it exits.
@@ -128,8 +129,9 @@ class Cluster:
         return self.spawn(name or role, role, [sys.executable, "-m", "services.cli", role, *args], env)
 
     def start_nats(self, timeout_s: float = 10.0) -> str:
-        """An embedded nats-server with JetStream on a free loopback port; returns its URL."""
-        port = free_port()
+        """An embedded nats-server with JetStream on loopback: NATS's own port 4222 when it is free, so
+        that tools like `morphling events` find it without being told, else any free port. Its URL."""
+        port = NATS_PORT if port_is_free(NATS_PORT) else free_port()
         store = self.run_dir / "jetstream"
         child = self.spawn("nats-server", "nats-server",
                            [nats_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)])
@@ -191,6 +193,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
                     help="bits of every decoder layer, fixed: 8 or 4 are the static baselines (with --mode off), "
                          "16 is full precision as loaded (default %(default)s)")
+    ap.add_argument("--swap-order", default="auto", metavar="auto|front|PATH",
+                    help="the order layers are quantized in: the model's LIS profile (auto), front to back, or a "
+                         "`morphling profile` JSON (default %(default)s)")
     ap.add_argument("--nats", help="an existing NATS server; without it an embedded one is started")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /ready")
     ap.add_argument("--run-dir", type=Path, help="where the children's logs go (default: a temporary directory)")
@@ -278,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode])
         for i in range(args.executors):
             exec_args = ["--nats", nats_url, "--id", f"exec{i}", "--model", args.model,
-                         "--device", executor_device(args.device, i), "--static-bits", str(args.static_bits)]
+                         "--device", executor_device(args.device, i), "--static-bits", str(args.static_bits),
+                         "--swap-order", args.swap_order]
             if args.memory_budget is not None:
                 exec_args += ["--memory-budget", args.memory_budget]
             if args.max_model_len is not None:
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         # A wildcard bind address is not something to connect to.
         local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
         base = f"http://[{local}]:{args.port}" if ":" in local else f"http://{local}:{args.port}"
-        status = _wait_and_serve(cluster, args, base, started, stop_requested)
+        status = _wait_and_serve(cluster, args, base, nats_url, started, stop_requested)
     except RuntimeError as e:
         _progress(str(e))
         status = 1
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def _wait_and_serve(cluster: Cluster, args, base: str, started: float, stop_requested: Flag) -> int:
+def _wait_and_serve(cluster: Cluster, args, base: str, nats_url: str, started: float, stop_requested: Flag) -> int:
     """Waits for /ready, prints the ready line, then waits for a signal. Returns the exit status."""
     # Imported here: the gateway's HTTP client library is not needed to reject bad arguments.
     import httpx
@@ -344,7 +350,8 @@ def _wait_and_serve(cluster: Cluster, args, base: str, started: float, stop_requ
             stop_requested.wait(0.25)
         name = served_model(client, base, served_model_name(args.model))
     count = f"{args.executors} executor{'s' if args.executors > 1 else ''}"
-    print(f"morphling ready: {base} (model {name}, {count}, up in {time.monotonic() - started:.1f} s)", flush=True)
+    print(f"morphling ready: {base} (model {name}, {count}, bus {nats_url}, up in {time.monotonic() - started:.1f} s)",
+          flush=True)
 
     while not stop_requested.wait(0.5):
         dead = cluster.exited()

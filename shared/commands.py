@@ -75,7 +75,7 @@ class CommandSender:
             if result is None:
                 result = CommandResult(seq=command.seq, issuer=self.issuer, executor=executor,
                                        kind=command.kind, ok=False,
-                                       error=f"no answer after {attempts} attempt(s): {'; '.join(errors)}")
+                                       error=f"no answer after {attempts} attempt(s): {'; '.join(dict.fromkeys(errors))}")
             span.set_attributes({"morphling.command.ok": result.ok, "morphling.command.attempts": attempts})
         latency = time.monotonic() - started
         await self._audit(executor, command, result, attempts, latency, reason)

@@ -85,11 +85,23 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # default per-request deadline
     retry_after_s: int = 1  # Retry-After on 429
     drain_timeout_s: float = 30.0
+    # MORPHLING_STREAM_BUFFER: token deltas held per request for a client that reads slower than the
+    # executor generates; one more cancels the request (services/gateway/dispatch.py). A healthy client
+    # reads within a few deltas, so this only ever fills for one that stopped reading.
+    stream_buffer: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.stream_buffer < 1:
+            raise ValueError(f"stream_buffer must be at least 1 delta, got {self.stream_buffer}")
 
     @classmethod
     def from_env(cls, **overrides) -> "GatewayConfig":
-        return cls(**({"api_keys": _env_list("MORPHLING_API_KEYS"),
-                       "admin_keys": _env_list("MORPHLING_ADMIN_KEYS")} | overrides))
+        env = {"api_keys": _env_list("MORPHLING_API_KEYS"), "admin_keys": _env_list("MORPHLING_ADMIN_KEYS")}
+        if (buffer := os.environ.get("MORPHLING_STREAM_BUFFER")) is not None:
+            if not buffer.strip().isdigit():
+                raise ValueError(f"MORPHLING_STREAM_BUFFER must be a whole number of deltas, got {buffer!r}")
+            env["stream_buffer"] = int(buffer)
+        return cls(**(env | overrides))
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,30 @@ class ExecutorConfig:
     engine: EngineConfig = EngineConfig()
     telemetry_interval_s: float = 0.1
     latency_window_s: float = 10.0  # queue delay / TTFT / TPOT averages are over this window
+    outbox_limit: int = 4096  # sends the engine thread may have queued and unsent before it waits
+    pending_admissions: int | None = None  # admissions queued for the engine thread; None: 4 x max_waiting
+    flush_timeout_s: float = 5.0  # at stop, how long the sends still queued may take before they are dropped
+
+    def __post_init__(self) -> None:
+        if self.outbox_limit < 1:
+            raise ValueError(f"outbox_limit must be at least 1 send, got {self.outbox_limit}")
+        if self.admission_limit < 0:
+            raise ValueError(f"pending_admissions must not be negative, got {self.admission_limit}")
+
+    @property
+    def admission_limit(self) -> int:
+        """Admissions that may wait for the engine thread. A burst several times the engine's waiting queue
+        would mostly be refused by the engine anyway, so the default lets any burst reach that (exact)
+        bound while the prompts held in the backlog stay bounded."""
+        return self.engine.max_waiting * 4 if self.pending_admissions is None else self.pending_admissions
+
+
+@dataclass(frozen=True)
+class EventStreamConfig:
+    """The JetStream stream that keeps morphling.events: the monitor creates it, `morphling events` reads it."""
+    name: str = "MORPHLING_EVENTS"
+    max_age_s: float = 7 * 24 * 3600.0  # older events are dropped...
+    max_bytes: int = parse_size("256MiB")  # ...and the oldest ones too once the stream holds this much
 
 
 @dataclass(frozen=True)
@@ -107,6 +143,7 @@ class MonitorConfig:
     publish_interval_s: float = 0.2  # ClusterState at >= 4 Hz
     ewma_half_life_s: float = 1.0
     dead_after_s: float = 1.0  # missed heartbeats (telemetry every ~0.1 s) before an executor is dead
+    events: EventStreamConfig = EventStreamConfig()  # kept where the NATS server runs JetStream
 
 
 @dataclass(frozen=True)

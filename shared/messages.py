@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Message(BaseModel):
@@ -50,6 +50,35 @@ class Admission(Message):
     executor: str
     accepted: bool
     prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class TokenizeRequest(Message):
+    """Token ids of a prompt (or of chat messages rendered with the model's template), as the engine
+    would see them."""
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    return_token_strs: bool = False
+
+
+class TokenizeReply(Message):
+    executor: str
+    tokens: list[int] = Field(default_factory=list)
+    token_strs: list[str] | None = None
+    max_model_len: int = 0
+    error: ErrorInfo | None = None
+
+
+class DetokenizeRequest(Message):
+    tokens: list[int]
+
+
+class DetokenizeReply(Message):
+    executor: str
+    prompt: str = ""
     error: ErrorInfo | None = None
 
 
@@ -116,6 +145,7 @@ class ExecutorTelemetry(Message):
     page_bytes: int
     kv: KvPages
     layers: list[int]  # bits per decoder layer, in order
+    swap_order: list[int]  # the order its layers are quantized in (its LIS profile, else front to back)
     running: int
     waiting: int
     max_waiting: int

@@ -7,8 +7,8 @@ gateway answers 400 with `param` before a request travels anywhere. Only what ne
 with the engine: stop token ids are checked against the real vocabulary there.
 """
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, \
-    model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from shared.errors import InvalidRequestError
 

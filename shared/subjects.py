@@ -12,6 +12,16 @@ def infer(executor: str) -> str:
     return f"{PREFIX}.infer.{executor}"
 
 
+def tokenize(executor: str) -> str:
+    """gateway -> executor, request/reply: TokenizeRequest -> TokenizeReply (the served model's tokenizer)."""
+    return f"{PREFIX}.tokenize.{executor}"
+
+
+def detokenize(executor: str) -> str:
+    """gateway -> executor, request/reply: DetokenizeRequest -> DetokenizeReply."""
+    return f"{PREFIX}.detokenize.{executor}"
+
+
 def tokens(gateway: str) -> str:
     """executor -> gateway: TokenBatch."""
     return f"{PREFIX}.tokens.{gateway}"

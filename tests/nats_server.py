@@ -9,8 +9,10 @@ from shared.net import free_port
 
 
 class NatsServer:
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, *args: str):
+        """`args` go to nats-server as they are, e.g. "-js", "-sd", DIR for JetStream."""
         self.port = port or free_port()
+        self.args = args
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -18,7 +20,7 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> "NatsServer":
-        self.proc = subprocess.Popen([nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([nats_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self.args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 10
         while time.time() < deadline:

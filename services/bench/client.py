@@ -55,6 +55,20 @@ class ClusterSample:
     executors: list[dict]  # the live executors of GET /v1/cluster, as it answered
 
 
+def served_model(client: httpx.Client, url: str) -> str:
+    """The model the gateway serves (the first of /v1/models)."""
+    response = client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def tokenize(client: httpx.Client, url: str, model: str, text: str) -> list[int]:
+    """`text` in the served model's token ids, without the special tokens a prompt would get in front."""
+    response = client.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+    response.raise_for_status()
+    return response.json()["tokens"]
+
+
 def request_body(model: str, req: TraceRequest, prompt: list[int]) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

@@ -1,7 +1,7 @@
 """The quality side of a run: perplexity at the precision mixes its tokens were generated at, read
 from the table `morphling eval ppl --table` writes (docs/results/perplexity.json by default).
 
-The table measures K layers all at INT8 or all at INT4, for K in (0, 1, 2, 4, 8, 16, all), in a given
+The table measures K layers all at INT8 or all at INT4, for K in (0, 4, 8, 16, all) by default, in a given
 swap order. A mix the table holds is read as is; a K between two measured ones is interpolated
 linearly; a mix of both widths — the controller's ladder puts the first b layers of its order at INT4
 and the next a at INT8 — is estimated as ppl_int4(b) plus what the INT8 layers add on top,

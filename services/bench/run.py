@@ -35,13 +35,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from services.bench.client import ClusterSample, RequestRecord, replay
+import httpx
+
+from services.bench.client import ClusterSample, RequestRecord, replay, served_model, tokenize
 from services.bench.metrics import precision_share, summarize, timeline
 from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.prompts import PromptPool, read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
 from services.bench.trace import TraceError, TraceRequest, load_trace
 from shared.config import data_dir, parse_size
+from shared.net import free_port
 
 DEFAULT_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
 # mode -> (controller mode, static bits); "morph" takes the controller mode from --morph-mode
@@ -69,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="the controller's mode in the morph run (default %(default)s)")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (default %(default)s)")
     ap.add_argument("--memory-budget", default="450MiB", help="each executor's page arena (default %(default)s)")
-    ap.add_argument("--model", default="default", help="as for `morphling up`; also picks the prompts' tokenizer")
+    ap.add_argument("--model", default="default", help="as for `morphling up`")
     ap.add_argument("--device", default="cpu", help="as for `morphling up`")
     ap.add_argument("--drain-timeout", type=float, default=90.0,
                     help="seconds after the last arrival before unfinished requests count as failed")
@@ -148,17 +151,26 @@ class UpProcess:
         self.log.close()
 
 
+def tokenized_prompts(url: str, args, texts: list[str], requests: list[TraceRequest]) -> list[list[int]]:
+    """A real prompt of exactly the trace's length for every request, in the served model's own token
+    ids: the served system's /tokenize does the encoding, so the bench needs no model of its own."""
+    with http_client(args) as client:
+        model = served_model(client, url)
+        pool = PromptPool(texts, lambda text: tokenize(client, url, model, text), args.seed)
+        return [pool.take(r.prompt_tokens) for r in requests]
+
+
+def http_client(args) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.Client(headers=headers, timeout=30)
+
+
 def run_mode(mode: str, url: str, args, requests: list[TraceRequest], prompts: list[list[int]]
              ) -> tuple[list[RequestRecord], list[ClusterSample], float]:
-    import httpx
     from tqdm import tqdm
 
-    from services.executor.service import served_model_name
-    from services.up import served_model
-
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with httpx.Client(headers=headers, timeout=10) as client:
-        model = served_model(client, url, served_model_name(args.model))
+    with http_client(args) as client:
+        model = served_model(client, url)
     failures = 0
     with tqdm(total=len(requests), desc=f"{mode:>5}", unit="req", dynamic_ncols=True, file=sys.stderr) as bar:
         def done(record: RequestRecord) -> None:
@@ -231,13 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as e:
         print(f"morphling bench: {e}", file=sys.stderr)
         return 2
-    from services.executor.engine.model.loader import resolve_model_path
-    from services.executor.engine.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(resolve_model_path(args.model))
-    pool = PromptPool(read_texts(args.data / "prompts"), lambda text: tokenizer.encode(text, add_special_tokens=False),
-                      args.seed)
-    prompts = [pool.take(r.prompt_tokens) for r in requests]
+    texts = read_texts(args.data / "prompts")
     table = PerplexityTable.load(args.ppl_table)
     args.out.mkdir(parents=True, exist_ok=True)
     replay_s = requests[-1].arrival_s
@@ -246,20 +252,26 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens) from {args.trace.name} [{args.start:g}, {args.start + args.duration:g}) s", file=sys.stderr)
 
     results: dict[str, dict] = {}
+    prompts: list[list[int]] | None = None  # tokenized by the first system, for every mode alike
     for mode in args.modes:
         if args.url:
-            outcome = run_mode(mode, args.url.rstrip("/"), args, requests, prompts)
+            url = args.url.rstrip("/")
+            try:
+                prompts = prompts or tokenized_prompts(url, args, texts, requests)
+                outcome = run_mode(mode, url, args, requests, prompts)
+            except httpx.HTTPError as e:
+                print(f"morphling bench: {url}: {e}", file=sys.stderr)
+                return 1
         else:
-            from services.up import free_port
-
             run_dir = args.out / "logs" / mode
             run_dir.mkdir(parents=True, exist_ok=True)
             print(f"morphling bench: starting the system for {mode} (logs in {run_dir})...", file=sys.stderr)
             system = UpProcess(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
             try:
                 url = system.wait_ready(args.startup_timeout)
+                prompts = prompts or tokenized_prompts(url, args, texts, requests)
                 outcome = run_mode(mode, url, args, requests, prompts)
-            except RuntimeError as e:
+            except (RuntimeError, httpx.HTTPError) as e:
                 print(f"morphling bench: {mode}: {e}", file=sys.stderr)
                 return 1
             finally:

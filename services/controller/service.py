@@ -6,8 +6,9 @@ the audit trail keep one shape whether or not anything morphs: the static baseli
 started with --static-bits) are measured with exactly that.
 
 The morph settings are not fixed here: a mode's preset is scaled to each executor's depth, read
-from its telemetry on every window, so one controller serves executors of different models. The
-command line adds only what a preset cannot know: a swap order from `morphling profile` and
+from its telemetry on every window, so one controller serves executors of different models, each in
+the swap order it reports (its LIS profile). The command line adds only what a preset cannot know:
+a swap order that overrides the executors' (`--swap-order`, a `morphling profile` JSON) and
 overrides of single settings by name (`--morph-set kv_high=0.85`), checked before the bus is touched.
 """
 
@@ -18,12 +19,11 @@ import logging
 import sys
 from pathlib import Path
 
+from services.controller.loop import Controller
+from services.controller.policies.morph import MODES, make_policy, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig
 from shared.telemetry import setup_tracing
-
-from services.controller.loop import Controller
-from services.controller.policies.morph import MODES, make_policy, settings_for_mode
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default=defaults.morph_mode, choices=MODES,
                         help="how eagerly layers are quantized under load; off: no morphing (default %(default)s)")
     parser.add_argument("--swap-order", metavar="PATH",
-                        help="JSON written by `morphling profile` ({\"order\": [layers]}); default front to back")
+                        help="JSON written by `morphling profile` ({\"order\": [layers]}); default: the order "
+                             "each executor reports")
     parser.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one morph setting of the mode's preset, e.g. kv_high=0.85 (repeatable)")
     args = parser.parse_args(argv)

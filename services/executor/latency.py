@@ -98,8 +98,9 @@ def emit_spans(req: TrackedRequest, end: float) -> None:
         attrs["gen_ai.request.max_tokens"] = req.max_tokens
     if RECORD_CONTENT and req.prompt_text is not None:
         attrs["gen_ai.prompt"] = req.prompt_text
-    root = t.start_span("executor.request", context=req.trace_context, start_time=_ns(req.admitted),
-                        attributes=attrs)
+    # SERVER: the receiving side of the gateway's request over the bus, as an RPC server is.
+    root = t.start_span("executor.request", context=req.trace_context, kind=trace.SpanKind.SERVER,
+                        start_time=_ns(req.admitted), attributes=attrs)
     inside = trace.set_span_in_context(root)
     scheduled = req.first_scheduled
     t.start_span("executor.queue", context=inside, start_time=_ns(req.admitted)).end(

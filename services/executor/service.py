@@ -5,6 +5,10 @@ receives requests, cancels and commands, answers commands, publishes telemetry, 
 ordered outbox through which everything the engine thread sends leaves, so that a request's Admission
 reply is always written before its first TokenBatch.
 
+The outbox is bounded by backpressure, not by dropping: once `outbox_limit` sends are queued and
+unsent, the engine thread waits before queueing another, so a slow bus slows generation down instead
+of piling up token batches in memory, and every message still leaves, in order.
+
 `--static-bits 8|4` quantizes every decoder layer once, after the engine loads and before the
 executor serves: the static INT8/INT4 baselines that morphing is measured against. It goes through
 the same swapper as the controller's commands, so the freed slot tails become KV pages exactly as
@@ -13,20 +17,25 @@ they do under morphing, and the baselines differ from morphing only in when the 
 
 import argparse
 import asyncio
+import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 
-from services.executor.engine.errors import EngineError
+from services.executor.engine.errors import EngineError, QueueFullError
+from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, stop_on_signals, unsubscribe
+from shared.bus import BadMessage, Bus, BusError, Incoming, stop_on_signals, unsubscribe
 from shared.config import EngineConfig, ExecutorConfig, parse_size, served_model_name
 from shared.errors import InvalidCommandError
-from shared.messages import (Cancel, Command, CommandResult, DrainArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
-                             KvPages, PingArgs, QuantizeArgs, RestoreArgs)
+from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
+                             ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages, PingArgs, QuantizeArgs,
+                             RestoreArgs, TokenizeReply, TokenizeRequest)
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -60,12 +69,16 @@ class ExecutorService:
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Unbounded as a queue: `_send` bounds it, and the publisher's stop marker must always fit.
         self._outbox: asyncio.Queue[Callable[[], Awaitable[None]] | None] = asyncio.Queue()
+        self._room = threading.Condition()  # guards the two fields below; the engine thread waits on it
+        self._unsent = 0  # sends queued and not yet done
+        self._closing = False  # set at stop: from then on the engine thread never waits for room
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
-        self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s, self._send,
-                                   self._publish)
+        self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
+                                   config.admission_limit, self._send, self._publish)
 
     @property
     def draining(self) -> bool:
@@ -77,9 +90,13 @@ class ExecutorService:
         self._tasks = [asyncio.create_task(self._publisher(), name=f"{self.id}-publisher"),
                        asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")]
         self.worker.start()
-        self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer),
+        self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer,
+                                          refuse=self._refuse_request),
                       await bus.subscribe(subjects.cancel(self.id), Cancel, self._on_cancel),
-                      await bus.subscribe(subjects.command(self.id), Command, self._on_command)]
+                      await bus.subscribe(subjects.command(self.id), Command, self._on_command,
+                                          refuse=self._refuse_command),
+                      await bus.subscribe(subjects.tokenize(self.id), TokenizeRequest, self._on_tokenize),
+                      await bus.subscribe(subjects.detokenize(self.id), DetokenizeRequest, self._on_detokenize)]
         await bus.flush()
         log.info("executor %s serving %s (max_model_len %d)", self.id, self.model_name, self.engine.max_model_len)
 
@@ -96,10 +113,13 @@ class ExecutorService:
                         self.worker.snapshot.in_flight, drain_timeout_s)
         for sub in self._subs:
             await unsubscribe(sub)
+        # The engine thread's last sends (the aborts of what is left) are few, and the bus may be what is
+        # stuck: waiting for room now could keep join() from returning.
+        self._stop_waiting_for_room()
         await asyncio.to_thread(self.worker.join)  # aborts what is left; its final deltas are queued
         self._tasks[1].cancel()
         await self._outbox.put(None)  # the publisher sends everything queued, then ends
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._flush_outbox()
         await self._bus.flush()
 
     # --- bus handlers -------------------------------------------------------------------------
@@ -107,10 +127,48 @@ class ExecutorService:
         if self.draining:
             await incoming.reply(rejection(self.id, incoming.message, "unavailable", "executor is draining"))
             return
-        self.worker.admit(incoming.message, incoming)
+        try:
+            self.worker.admit(incoming.message, incoming)
+        except QueueFullError as exc:
+            await incoming.reply(rejection(self.id, incoming.message, "queue_full", str(exc)))
 
     async def _on_cancel(self, incoming: Incoming) -> None:
         self.worker.cancel(incoming.message.request_id)
+
+    def _refuse_request(self, bad: BadMessage) -> Admission | None:
+        """An infer request that does not decode (a range rule broken, another schema version) is
+        refused by name when it carries a request id, like any invalid request."""
+        body = bad.body if isinstance(bad.body, dict) else {}
+        if not isinstance(body.get("request_id"), str):
+            return None
+        return Admission(request_id=body["request_id"], executor=self.id, accepted=False,
+                         error=ErrorInfo(type="invalid_request_error", message=bad.problem, param=bad.param))
+
+    def _refuse_command(self, bad: BadMessage) -> CommandResult | None:
+        body = bad.body if isinstance(bad.body, dict) else {}
+        seq, issuer = body.get("seq"), body.get("issuer")
+        if not isinstance(seq, int) or not isinstance(issuer, str):
+            return None
+        return CommandResult(seq=seq, issuer=issuer, executor=self.id, kind=str(body.get("kind")), ok=False,
+                             error=f"refused: {bad.problem}")
+
+    async def _on_tokenize(self, incoming: Incoming) -> None:
+        # In a thread: a long prompt would hold up the loop's telemetry and token traffic otherwise.
+        try:
+            reply = await asyncio.to_thread(tokenize, self.engine.tokenizer, self.id, self.engine.max_model_len,
+                                            incoming.message)
+        except Exception as exc:  # answered, so that the gateway says 500 at once instead of timing out
+            log.exception("executor %s: tokenize failed", self.id)
+            reply = TokenizeReply(executor=self.id, error=ErrorInfo(type="internal_error", message=repr(exc)))
+        await incoming.reply(reply)
+
+    async def _on_detokenize(self, incoming: Incoming) -> None:
+        try:
+            reply = await asyncio.to_thread(detokenize, self.engine.tokenizer, self.id, incoming.message)
+        except Exception as exc:
+            log.exception("executor %s: detokenize failed", self.id)
+            reply = DetokenizeReply(executor=self.id, error=ErrorInfo(type="internal_error", message=repr(exc)))
+        await incoming.reply(reply)
 
     async def _on_command(self, incoming: Incoming) -> None:
         cmd: Command = incoming.message
@@ -147,8 +205,17 @@ class ExecutorService:
 
     # --- sending ------------------------------------------------------------------------------
     def _send(self, send: Callable[[], Awaitable[None]]) -> None:
-        """From the engine thread: queue a send behind everything queued before it."""
+        """From the engine thread only (it may block): queue a send behind everything queued before it,
+        first waiting while `outbox_limit` sends are unsent."""
+        with self._room:
+            self._room.wait_for(lambda: self._unsent < self.config.outbox_limit or self._closing)
+            self._unsent += 1
         self._loop.call_soon_threadsafe(self._outbox.put_nowait, send)
+
+    def _stop_waiting_for_room(self) -> None:
+        with self._room:
+            self._closing = True
+            self._room.notify_all()
 
     async def _publish(self, subject: str, message) -> None:
         await self._bus.publish(subject, message)
@@ -159,6 +226,20 @@ class ExecutorService:
                 await send()
             except Exception:  # one lost message must not hold back the ones behind it
                 log.exception("executor %s: sending failed", self.id)
+            with self._room:
+                self._unsent -= 1
+                self._room.notify()
+
+    async def _flush_outbox(self) -> None:
+        """Wait for the publisher to send what is queued, for at most flush_timeout_s: a bus that takes no
+        more messages must not keep the executor from stopping."""
+        publisher = self._tasks[0]
+        await asyncio.wait({publisher}, timeout=self.config.flush_timeout_s)
+        if not publisher.done():
+            log.warning("executor %s: %d messages still unsent after %.1f s; dropping them", self.id,
+                        self._unsent, self.config.flush_timeout_s)
+            publisher.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _telemetry(self) -> None:
         while True:
@@ -177,7 +258,7 @@ class ExecutorService:
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
                        pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
-            layers=snap.layers,
+            layers=snap.layers, swap_order=engine.swapper.swap_order,
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
@@ -211,6 +292,27 @@ def apply_static_bits(engine, executor_id: str, bits: int) -> None:
              before.pages_kv, after.pages_kv, report.pages_released * engine.config.block_size)
 
 
+def swap_order(engine, choice: str) -> list[int]:
+    """The order count-based quantize commands and the controller take layers in: "auto" is the model's
+    LIS profile (shipped for the default model, else cached, else profiled now on WikiText-2), "front"
+    is front to back, anything else a `morphling profile` JSON file."""
+    from services.executor.engine.morphing.swapper import SwapError
+    from services.executor.tools.profile import MissingCorpusError, swap_order_for
+
+    if choice == "front":
+        return list(range(engine.model_config.num_layers))
+    if choice != "auto":
+        try:
+            return [int(i) for i in json.loads(Path(choice).read_text())["order"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SwapError(f"cannot read a swap order from {choice}: {exc!r}") from exc
+    try:
+        return swap_order_for(engine)
+    except MissingCorpusError as exc:
+        log.warning("no layer-importance profile (%s): layers are quantized front to back", exc)
+        return list(range(engine.model_config.num_layers))
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
@@ -226,6 +328,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--static-bits", type=int, default=FULL_PRECISION, choices=(FULL_PRECISION, 8, 4),
                    help="bits of every decoder layer, fixed from the start: 8 or 4 are the static "
                         "baselines, 16 is full precision as loaded (default %(default)s)")
+    p.add_argument("--swap-order", default="auto", metavar="auto|front|PATH",
+                   help="the order layers are quantized in: auto, the model's LIS profile (computed and cached "
+                        "at the first start when none ships for it); front, front to back; or a `morphling "
+                        "profile` JSON file (default %(default)s)")
     p.add_argument("--lazy-variants", action="store_true",
                    help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
@@ -244,7 +350,10 @@ def main(argv: list[str]) -> int:
     config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config)
     try:
         service = ExecutorService(config)
-        # Before the worker thread starts, so the engine is still ours alone.
+        # Before the worker thread starts, so the engine is still ours alone; the profile reads the
+        # full-precision weights, so it comes before any static quantization.
+        service.engine.swapper.swap_order = swap_order(service.engine, args.swap_order)
+        log.info("executor %s: swap order %s", config.executor_id, service.engine.swapper.swap_order)
         apply_static_bits(service.engine, config.executor_id, args.static_bits)
     except EngineError as exc:
         log.error("executor %s cannot start: %s", config.executor_id, exc)

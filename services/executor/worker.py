@@ -9,10 +9,18 @@ step order.
 The gateway is promised exactly n finished deltas per admitted request. The engine emits a single
 index-0 delta when a request with n > 1 is aborted or expires before it forked, so the missing
 indices are filled in here.
+
+Operations wait for the thread between two steps, each kind bounded by what holding and losing it
+costs. Admissions carry prompts and arrive as fast as gateways send them, so at most
+`pending_admissions` may wait; one more is refused at once with queue_full, which sends the gateway to
+another executor (or the client a 429). Cancels are never refused, since a lost cancel keeps
+generating for a client that left; they wait as a set of request ids, so repeats collapse and the set
+holds no more than the distinct ids cancelled between two iterations. Command calls are rare and each
+is awaited by its caller, so they need no bound.
 """
 
-import logging
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -20,11 +28,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.executor.engine.errors import QueueFullError
-from shared.errors import InvalidRequestError
 from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
+from services.executor.tokenization import render
 from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import Incoming
+from shared.errors import InvalidRequestError
 from shared.messages import Admission, ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta
 from shared.telemetry import RECORD_CONTENT
 
@@ -50,7 +59,7 @@ def rejection(executor: str, req: GenerateRequest, kind: str, message: str, para
 
 
 class EngineWorker:
-    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float,
+    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, pending_admissions: int,
                  send: Send, publish: Callable[[str, Message], Awaitable[None]]):
         self.engine = engine
         self.executor = executor
@@ -62,6 +71,10 @@ class EngineWorker:
         self.tpot = LatencyWindow(latency_window_s)
         self._send, self._publish = send, publish
         self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._pending_admissions = pending_admissions
+        self._admission_slots = threading.BoundedSemaphore(pending_admissions)  # one per queued admission
+        self._cancels: set[str] = set()
+        self._cancels_lock = threading.Lock()
         self._tracked: dict[str, TrackedRequest] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{executor}-engine", daemon=True)
@@ -76,10 +89,14 @@ class EngineWorker:
         self._thread.join()
 
     def admit(self, req: GenerateRequest, incoming: Incoming) -> None:
+        """Queue `req` for the engine thread, which replies; QueueFullError when too many already wait."""
+        if not self._admission_slots.acquire(blocking=False):
+            raise QueueFullError(self._pending_admissions, self._pending_admissions)
         self._ops.put(lambda: self._admit(req, incoming))
 
     def cancel(self, request_id: str) -> None:
-        self._ops.put(lambda: self.engine.abort(request_id))
+        with self._cancels_lock:
+            self._cancels.add(request_id)
 
     def abort_all(self) -> None:
         self._ops.put(self._abort_all)
@@ -102,20 +119,32 @@ class EngineWorker:
         while not self._stop.is_set():
             try:
                 # With work to do, never wait: a waiting step would add latency to every running request.
-                self._apply_ops(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
+                self._apply_ops_then_cancels(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     self._step()
                 self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
             except Exception:  # the thread is the executor: it must outlive any single failure
                 log.exception("executor %s: engine loop iteration failed", self.executor)
                 time.sleep(IDLE_WAIT_S)
-        self._apply_ops(wait=0.0)
+        self._apply_ops_then_cancels(wait=0.0)
         self._abort_all()
         for _ in range(3):  # abort deltas come out of the next step
             if not self.engine.has_unfinished():
                 break
             self._step()
         self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
+
+    def _apply_ops_then_cancels(self, wait: float) -> None:
+        # Cancels are taken before the operations are drained: a request's admission is queued before its
+        # cancel arrives, so it is applied first and the abort finds the request instead of missing it.
+        with self._cancels_lock:
+            cancels, self._cancels = self._cancels, set()
+        self._apply_ops(wait)
+        for request_id in cancels:
+            try:
+                self.engine.abort(request_id)  # False for a request already finished: nothing to do
+            except Exception:
+                log.exception("executor %s: cancelling %s failed", self.executor, request_id)
 
     def _apply_ops(self, wait: float) -> None:
         try:
@@ -133,6 +162,7 @@ class EngineWorker:
                 return
 
     def _admit(self, req: GenerateRequest, incoming: Incoming) -> None:
+        self._admission_slots.release()  # out of the queue: another admission may take its place
         admission = self._try_admit(req, incoming)
         self._send(lambda: incoming.reply(admission))
 
@@ -140,15 +170,7 @@ class EngineWorker:
         if self.draining or self._stop.is_set():
             return rejection(self.executor, req, "unavailable", "executor is draining")
         try:
-            if req.messages is not None:
-                if req.prompt is not None:
-                    raise InvalidRequestError("give either prompt or messages, not both", param="messages")
-                prompt = self.engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                                   **req.chat_template_kwargs)
-            elif req.prompt is not None:
-                prompt = req.prompt
-            else:
-                raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
+            prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
             params = req.sampling
             admitted = time.time()
             prompt_len = self.engine.add_request(req.request_id, prompt, params, deadline=req.deadline,

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway import admin
+from services.gateway import admin, tokenize
 from services.gateway.completions import SPAN_SCOPE_KEY, generate, read_json, too_large
 from services.gateway.dispatch import Dispatcher
 from services.gateway.metrics import GatewayMetrics
@@ -34,8 +34,9 @@ from shared.telemetry import setup_tracing, tracer
 log = logging.getLogger("morphling.gateway")
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/v1/cluster/morph",
-              "/health", "/ready", "/metrics"}
+              "/tokenize", "/detokenize", "/health", "/ready", "/metrics"}
 _OPEN_WHILE_DRAINING = {"/health", "/metrics"}
+_TOKENIZER_ROUTES = {"/tokenize", "/detokenize"}  # outside /v1 as in vLLM, but they take API keys like /v1
 
 
 class Gateway:
@@ -69,7 +70,7 @@ def _guard(gw: Gateway, request: Request) -> ApiError | None:
     path = request.url.path
     if gw.draining and path not in _OPEN_WHILE_DRAINING:
         return ApiError(503, "the gateway is shutting down", "server_error", None, "draining")
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in _TOKENIZER_ROUTES:
         # With any key configured, admin routes take only admin keys: an API key never changes the cluster.
         admin = path.startswith("/v1/cluster")
         auth_on = bool(gw.config.api_keys or gw.config.admin_keys)
@@ -135,7 +136,7 @@ def _openapi_with_bodies(app: FastAPI):
     def openapi() -> dict:
         if app.openapi_schema is None:
             spec = build()
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, tokenize.TokenizeBody):
                 defs = model.model_json_schema(ref_template=_REF).get("$defs", {})
                 spec.setdefault("components", {}).setdefault("schemas", {}).update(defs)
             app.openapi_schema = spec
@@ -228,6 +229,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await generate(gw, request, chat=True)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(tokenize.TokenizeBody))
+    async def tokenize_prompt(request: Request):
+        return await tokenize.tokenize(gw.dispatcher, await read_json(gw, request))
+
+    @app.post("/detokenize", openapi_extra=_body_schema(tokenize.DetokenizeBody))
+    async def detokenize_tokens(request: Request):
+        return await tokenize.detokenize(gw.dispatcher, await read_json(gw, request))
 
     app.openapi = _openapi_with_bodies(app)
 

@@ -166,7 +166,7 @@ async def _stream(gw, ticket: Ticket, builder: ChunkBuilder, span, arrival: floa
         if builder.include_usage:
             yield builder.usage(progress.prompt_tokens, sum(c.output_tokens for c in progress.choices))
         yield SSE_DONE
-    except ApiError as err:  # the executor died mid-stream or the deadline passed
+    except ApiError as err:  # the executor died mid-stream, the deadline passed or the client fell behind
         span.set_status(trace.Status(trace.StatusCode.ERROR, err.message))
         yield sse_error(err)
         yield SSE_DONE

@@ -3,6 +3,12 @@
 Separated from app.py so the HTTP layer only turns these outcomes into responses. Every admission
 attempt uses a fresh request id: an executor whose reply timed out may still have admitted the
 request, and its stray tokens must not mix into the stream of the attempt that won.
+
+A request's deltas wait in its queue until the client reads them. A client that stops reading (its
+socket full, its stream suspended) must not make the gateway buffer without end while the executor
+keeps generating, so a queue holds at most `stream_buffer` deltas: one more cancels the request on its
+executor, drops what was queued and ends the stream with a slow_consumer error. Ending it, rather than
+dropping only the overflow, is what keeps a stream that goes on from silently missing tokens.
 """
 
 import asyncio
@@ -32,7 +38,12 @@ class _Lost:
     """Queued for a request whose executor the monitor reports dead."""
 
 
+class _Overflowed:
+    """Queued, alone, for a request whose client fell `stream_buffer` deltas behind."""
+
+
 LOST = _Lost()
+OVERFLOWED = _Overflowed()
 
 
 @dataclass
@@ -58,6 +69,11 @@ def unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, "server_error", None, code)
 
 
+def slow_consumer(buffer: int) -> ApiError:
+    return unavailable(f"the client did not read the response fast enough ({buffer} chunks behind); "
+                       "the request was cancelled", "slow_consumer")
+
+
 def finish_error(delta: TokenDelta) -> ApiError:
     """The API error for a completion that ended neither by stop nor by length."""
     if delta.finish_reason == "deadline":
@@ -72,6 +88,7 @@ class Dispatcher:
     def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics):
         self.bus, self.config, self.metrics = bus, config, metrics
         self.state: ClusterState | None = None
+        # Unbounded as queues: _on_tokens bounds them, and the LOST and OVERFLOWED markers must always fit.
         self._queues: dict[str, asyncio.Queue] = {}
         self._running_on: dict[str, str] = {}  # request id -> executor, until the executor is lost
         self._background: set[asyncio.Task] = set()
@@ -84,8 +101,24 @@ class Dispatcher:
     async def _on_tokens(self, incoming: Incoming) -> None:
         for delta in incoming.message.deltas:
             queue = self._queues.get(delta.request_id)
-            if queue is not None:  # else: a request already finished, cancelled or re-dispatched
+            if queue is None:  # a request already finished, cancelled, re-dispatched or overflowed
+                continue
+            if queue.qsize() < self.config.stream_buffer:
                 queue.put_nowait(delta)
+            else:
+                self._overflow(delta.request_id, incoming.message.executor, queue)
+
+    def _overflow(self, request_id: str, executor: str, queue: asyncio.Queue) -> None:
+        """Stop the request now, so that its executor frees its pages, rather than when the client reads again."""
+        self._queues.pop(request_id)
+        self._running_on.pop(request_id, None)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(OVERFLOWED)
+        self._cancel_later(executor, request_id)
+        self.metrics.slow_consumers.inc()
+        log.warning("client of %s fell %d chunks behind: cancelled on %s", request_id, self.config.stream_buffer,
+                    executor)
 
     async def _on_state(self, incoming: Incoming) -> None:
         state: ClusterState = incoming.message
@@ -161,6 +194,8 @@ class Dispatcher:
                 self.cancel(ticket)
                 raise ApiError(504, "the request did not finish before its deadline", "timeout", None,
                                "deadline_exceeded") from None
+            if item is OVERFLOWED:
+                raise slow_consumer(self.config.stream_buffer)
             if item is LOST:
                 self.release(ticket)
                 if ticket.got_tokens:

@@ -43,6 +43,9 @@ class GatewayMetrics:
                                 registry=r)
         self.requests = Counter("morphling_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.slow_consumers = Counter("morphling_gateway_slow_consumers",
+                                      "Requests cancelled because their client did not read the stream fast enough",
+                                      registry=r)
 
     def observe_state(self, state: ClusterState) -> None:
         live = [e for e in state.executors if e.alive]

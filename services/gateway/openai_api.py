@@ -41,20 +41,21 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 # --- requests -------------------------------------------------------------------------------------
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A request body part: unknown fields are a 400, as OpenAI's are."""
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -71,7 +72,7 @@ class ChatMessage(_Strict):
         return out
 
 
-class _Common(_Strict):
+class _Common(StrictBody):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -148,7 +149,12 @@ class CompletionRequest(_Common):
 
 
 # Passed to the chat template by the executor itself: a kwarg of the same name would collide with them.
-_TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt"}
+TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt"}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    if reserved := sorted(set(kwargs or {}) & TEMPLATE_ARGUMENTS):
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
 
 class ChatCompletionRequest(_Common):
@@ -163,8 +169,7 @@ class ChatCompletionRequest(_Common):
         self._check_common()
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
-        if reserved := sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS):
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.response_format is not None and self.response_format != {"type": "text"}:
             raise bad_request('only response_format {"type": "text"} is supported', "response_format")
         if self.top_logprobs is not None:
@@ -183,7 +188,7 @@ class ChatCompletionRequest(_Common):
             raise
 
 
-def parse_request(body: Any, model: type[CompletionRequest] | type[ChatCompletionRequest]):
+def parse_request(body: Any, model: type[StrictBody]):
     """Validate a decoded JSON body, raising ApiError(400) with OpenAI's messages and `param`."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")

@@ -4,6 +4,10 @@ The gateway routes and the controller decides on what this publishes, so it publ
 clock (≥ 4 Hz) rather than on each telemetry message: the state's rate stays bounded however many
 executors report, and a dead executor is noticed even when nothing at all arrives. The judging
 itself lives in aggregate.py (pure); this file only wires it to the bus and the wall clock.
+
+It also has JetStream keep the events subject (MonitorConfig.events), since it is the one process
+every deployment runs and starts first: what the controller and the monitor decided, and why, can
+then be read back with `morphling events`.
 """
 
 import argparse
@@ -12,13 +16,12 @@ import logging
 import sys
 import time
 
+from services.monitor.aggregate import UP, ClusterView
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, stop_on_signals, unsubscribe
-from shared.config import MonitorConfig
+from shared.bus import Bus, BusError, Incoming, StreamError, stop_on_signals, unsubscribe
+from shared.config import EventStreamConfig, MonitorConfig, parse_size
 from shared.messages import Event, ExecutorTelemetry
 from shared.telemetry import setup_tracing
-
-from services.monitor.aggregate import UP, ClusterView
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ class MonitorService:
 
     async def start(self, bus: Bus) -> None:
         self._bus = bus
+        # Before the first tick, so that the executor_up events of a starting cluster are kept too.
+        await self._keep_events(bus)
         self._sub = await bus.subscribe(subjects.TELEMETRY_ALL, ExecutorTelemetry, self._on_telemetry)
         await bus.flush()
         self._task = asyncio.create_task(self._publish_loop(), name="monitor-publish")
@@ -48,6 +53,21 @@ class MonitorService:
             except asyncio.CancelledError:
                 pass
             self._task = None
+
+    async def _keep_events(self, bus: Bus) -> None:
+        """Create or update the events stream; without it events still go out, only nothing keeps them."""
+        stream = self.config.events
+        try:
+            jetstream = await bus.ensure_stream(stream.name, [subjects.EVENTS], stream.max_age_s, stream.max_bytes)
+        except StreamError as exc:
+            log.error("monitor: events are not kept: %s", exc)
+            return
+        if jetstream:
+            log.info("monitor: events on %s are kept in stream %s for %.4g days, up to %d MiB", subjects.EVENTS,
+                     stream.name, stream.max_age_s / 86400, stream.max_bytes >> 20)
+        else:
+            log.warning("monitor: events are not kept: the NATS server runs without JetStream (start nats-server "
+                        "with -js to keep them)")
 
     async def _on_telemetry(self, incoming: Incoming) -> None:
         self.view.observe(incoming.message, time.time())
@@ -105,16 +125,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds without telemetry before an executor is dead")
     parser.add_argument("--half-life", type=float, default=defaults.ewma_half_life_s,
                         help="EWMA half-life in seconds of KV usage, queueing delay and waiting")
+    parser.add_argument("--events-max-age-days", type=float, default=defaults.events.max_age_s / 86400,
+                        help="days the event stream keeps an event (default %(default)g)")
+    parser.add_argument("--events-max-bytes", type=parse_size, default=defaults.events.max_bytes,
+                        help="size at which the event stream drops its oldest events, e.g. 1GiB (default 256MiB)")
     args = parser.parse_args(argv)
     if args.interval <= 0 or args.dead_after <= 0:
         parser.error("--interval and --dead-after must be positive")
+    if args.events_max_age_days <= 0 or args.events_max_bytes <= 0:
+        parser.error("--events-max-age-days and --events-max-bytes must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.interval > 0.25:
         log.warning("--interval %.2f s publishes below the 4 Hz the gateway and controller expect",
                     args.interval)
     setup_tracing("monitor")
+    events = EventStreamConfig(max_age_s=args.events_max_age_days * 86400, max_bytes=args.events_max_bytes)
     config = MonitorConfig(nats_url=args.nats, publish_interval_s=args.interval,
-                           dead_after_s=args.dead_after, ewma_half_life_s=args.half_life)
+                           dead_after_s=args.dead_after, ewma_half_life_s=args.half_life, events=events)
     try:
         asyncio.run(_run_until_signalled(config))
     except BusError as exc:

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from shared.bus import Bus, BusError, encode
-from shared.messages import Cancel, Command, CommandResult
+from shared.messages import SCHEMA_VERSION, Cancel, Command, CommandResult
 
 
 def test_publish_subscribe_request_reply_and_bad_messages(nats_server):
@@ -28,7 +28,7 @@ def test_publish_subscribe_request_reply_and_bad_messages(nats_server):
         raw = a._nc
         await raw.publish("t.cancel", b"\xc1 not msgpack")
         await raw.publish("t.cancel", msgpack.packb({"v": 99, "request_id": "old"}))
-        await raw.publish("t.cancel", msgpack.packb({"v": 1, "request_id": 5, "extra": 1}))
+        await raw.publish("t.cancel", msgpack.packb({"v": SCHEMA_VERSION, "request_id": 5, "extra": 1}))
         await a.publish("t.cancel", Cancel(request_id="r1"))
         result = await a.request("t.cmd", Command(seq=3, issuer="ctl", kind="ping"), CommandResult, timeout=2)
         assert result.ok and result.seq == 3
@@ -71,7 +71,7 @@ def test_clients_reconnect_after_a_server_restart(nats_server):
 
 def test_encode_is_messagepack_with_the_schema_version():
     body = msgpack.unpackb(encode(Cancel(request_id="x")))
-    assert body == {"v": 1, "request_id": "x"}
+    assert body == {"v": SCHEMA_VERSION, "request_id": "x"}
 
 
 def test_connecting_to_nobody_fails_in_bounded_time():

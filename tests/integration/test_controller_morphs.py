@@ -142,6 +142,10 @@ def test_a_burst_quantizes_layers_and_the_lull_restores_them(morphing, morphling
     kinds = [d["kind"] for d in commands]
     assert kinds[0] == "quantize" and kinds[-1] == "restore", kinds
     assert _every_quantized_layer_restored(commands), commands
+    # The controller climbs the executor's own LIS order and says why it acted.
+    first = commands[0]["args"]["layers"]
+    assert first == start["swap_order"][:len(first)], (first, start["swap_order"])
+    assert all("windows: KV" in d["reason"] for d in commands), [d["reason"] for d in commands]
     wall_start = time.time() - (time.monotonic() - burst_start)
     print("commands (s after the burst began):",
           [(round(e.time - wall_start, 1), e.data["kind"], e.data["args"]) for e in events.got])

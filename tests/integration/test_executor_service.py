@@ -19,13 +19,13 @@ import msgpack
 import pytest
 
 from services.executor.engine.engine import LLMEngine
-from shared.sampling import SamplingOptions
 from services.executor.service import ExecutorService
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, decode
 from shared.config import EngineConfig, ExecutorConfig
-from shared.messages import (Admission, Cancel, Command, CommandResult, ExecutorTelemetry, GenerateRequest,
-                             SamplingOptions, TokenBatch, TokenDelta)
+from shared.messages import (SCHEMA_VERSION, Admission, Cancel, Command, CommandResult, ExecutorTelemetry,
+                             GenerateRequest, TokenBatch, TokenDelta)
+from shared.sampling import SamplingOptions
 from shared.telemetry import tracer
 from tests.checkpoints import write_tiny_llama3
 
@@ -78,6 +78,11 @@ class Gateway:
             await asyncio.sleep(0.02)
         return self.deltas[request_id]
 
+    async def raw_request(self, subject: str, body: dict, reply_model):
+        """A request whose body is sent as given, valid or not."""
+        reply = await self.bus._nc.request(subject, msgpack.packb(body), timeout=5)
+        return decode(reply.data, reply_model)
+
     async def command(self, seq: int, kind: str, issuer: str = "ctl-t", args: dict | None = None) -> CommandResult:
         return await self.bus.request(subjects.command(EXEC), Command(seq=seq, issuer=issuer, kind=kind,
                                                                       args=args or {}), CommandResult, timeout=5)
@@ -129,9 +134,14 @@ def test_generation_matches_the_engine_and_bad_requests_are_refused(nats_server,
             assert chat.accepted and chat.prompt_tokens > 5  # the template's framing was added
             assert text_of(await gw.finished("c1"))
 
-            hot = await gw.admit("bad1", prompt=prompt, sampling=SamplingOptions(temperature=5))
+            # Sent as a client that skips validation would: refused by name, like any invalid request.
+            body = GenerateRequest(request_id="bad1", gateway=GW, arrival_time=time.time(), prompt=prompt).model_dump()
+            body["sampling"]["temperature"] = 5
+            hot = await gw.raw_request(subjects.infer(EXEC), body, Admission)
             assert not hot.accepted and hot.error.type == "invalid_request_error"
             assert hot.error.param == "temperature"
+            odd = await gw.raw_request(subjects.infer(EXEC), {"v": SCHEMA_VERSION - 1, "request_id": "old"}, Admission)
+            assert not odd.accepted and odd.request_id == "old" and "schema version" in odd.error.message
             long = await gw.admit("bad2", prompt=[1] * 2000, sampling=SamplingOptions(max_tokens=100))
             assert not long.accepted and long.error.type == "invalid_request_error"
             assert long.error.param == "max_tokens" and "maximum context length is 2048" in long.error.message
@@ -219,6 +229,10 @@ def test_commands_ping_drain_idempotence_and_unknown_kinds(nats_server, tiny):
                                                                         "draining": False}
             other = await gw.command(2, "replicate")
             assert not other.ok and "unknown command kind 'replicate'" in other.error
+            # Not even a Command (no kind): still answered, refused, as long as it says who asks.
+            broken = await gw.raw_request(subjects.command(EXEC), {"v": SCHEMA_VERSION, "seq": 7, "issuer": "ctl-t"},
+                                          CommandResult)
+            assert not broken.ok and broken.seq == 7 and "kind" in broken.error
             bad = await gw.command(4, "quantize", args={"layers": 99, "bits": 8})
             assert not bad.ok and "quantize refused" in bad.error
             quant = await gw.command(5, "quantize", args={"layers": 2, "bits": 8})
@@ -243,7 +257,7 @@ def test_garbage_logprobs_and_a_failing_step_do_not_stop_the_service(nats_server
     async def scenario():
         async with serving(nats_server.url, tiny) as (service, gw):
             await gw.bus._nc.publish(subjects.infer(EXEC), b"\xc1 garbage", reply="_INBOX.nobody")
-            await gw.bus._nc.publish(subjects.infer(EXEC), msgpack.packb({"v": 1, "request_id": 3}))
+            await gw.bus._nc.publish(subjects.infer(EXEC), msgpack.packb({"v": SCHEMA_VERSION, "request_id": 3}))
             adm = await gw.admit("lp", prompt="hello", sampling=SamplingOptions(max_tokens=3, logprobs=2,
                                                                                  temperature=0))
             assert adm.accepted

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from services.admin_cli import index_ranges, layer_runs
 from tests.system import System
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -93,7 +94,8 @@ def test_stream_continues_across_quantize_and_restore(system, client):
     assert answers["restore"].status_code == 200, answers["restore"].text
     quantized, restored = answers["quantize"].json(), answers["restore"].json()
     assert quantized["results"][0]["ok"] and restored["results"][0]["ok"]
-    assert quantized["results"][0]["state"]["layers"][:8] == [4] * 8
+    order = executor(quantized)["swap_order"]
+    assert [quantized["results"][0]["state"]["layers"][i] for i in order[:8]] == [4] * 8
     # Both were applied while the request still ran: the fresh views taken after each show it running.
     assert executor(quantized)["running"] == 1 and executor(restored)["running"] == 1
     assert len(set(executor(restored)["layers"])) == 1
@@ -120,12 +122,21 @@ def test_greedy_output_is_identical_after_quantize_and_restore(system, client):
 
 def test_kv_capacity_grows_by_exactly_the_released_pages(system):
     start = wait_idle(system)
-    kv0, full = start["kv"], start["layers"][0]
+    kv0, full, order = start["kv"], start["layers"][0], start["swap_order"]
     assert kv0["pages_extension"] == 0 and set(start["layers"]) == {full}
+    assert sorted(order) == list(range(30)) and order != list(range(30))  # the shipped LIS profile's order
+
+    def bits_in_order(*bits: int) -> list[int]:
+        """Layer bits for `bits` given in swap order, the rest at full precision."""
+        layers = [full] * 30
+        for i, b in zip(order, bits):
+            layers[i] = b
+        return layers
+
     released = 0
-    # 4 layers to INT8, then 2 to INT4: quantize takes the layers wider than the target front to back,
-    # so the second step narrows layers 0-1 from 8 to 4 bits.
-    for layers, bits, expect in [(4, 8, [8] * 4 + [full] * 26), (2, 4, [4, 4, 8, 8] + [full] * 26)]:
+    # 4 layers to INT8, then 2 to INT4: quantize takes the layers wider than the target in the swap
+    # order, so the second step narrows the first two of them from 8 to 4 bits.
+    for layers, bits, expect in [(4, 8, bits_in_order(8, 8, 8, 8)), (2, 4, bits_in_order(4, 4, 8, 8))]:
         r = morph(system, executor="exec0", action="quantize", layers=layers, bits=bits)
         assert r.status_code == 200, r.text
         result = r.json()["results"][0]
@@ -184,7 +195,8 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_cli_status_and_morph(system):
-    full = executor(system.cluster())["layers"][0]
+    start = executor(system.cluster())
+    full, first = start["layers"][0], sorted(start["swap_order"][:3])
     status = cli("status", "--url", system.url)
     assert status.returncode == 0, status.stderr
     header, row = status.stdout.splitlines()
@@ -195,8 +207,8 @@ def test_cli_status_and_morph(system):
     done = cli("morph", "--url", system.url, "--executor", "*", "--action", "quantize", "--layers", "3", "--bits", "8")
     assert done.returncode == 0, done.stderr
     results, cluster = done.stdout.split("\n\n")
-    assert results.splitlines()[1].split()[:4] == ["exec0", "ok", "0-2", "8"]
-    assert cluster.strip().endswith(f"8x3 {full}x27")
+    assert results.splitlines()[1].split()[:4] == ["exec0", "ok", index_ranges(first), "8"]
+    assert cluster.strip().endswith(layer_runs([8 if i in first else full for i in range(30)]))
 
     refused = cli("morph", "--url", system.url, "--executor", "exec0", "--action", "quantize", "--layers", "99",
                   "--bits", "4")

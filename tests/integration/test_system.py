@@ -93,6 +93,42 @@ def test_unknown_model_is_404_and_bad_json_is_400(system, client):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_tokenize_counts_what_a_request_uses_and_detokenize_reverses_it(system, client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    counted = httpx.post(f"{system.url}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == client.models.list().data[0].max_model_len and counted["token_strs"] is None
+    comp = client.completions.create(model=MODEL, prompt=DAYS, max_tokens=1, temperature=0)
+    ids = httpx.post(f"{system.url}/tokenize", json={"model": MODEL, "prompt": DAYS, "return_token_strs": True}).json()
+    assert ids["count"] == comp.usage.prompt_tokens and len(ids["token_strs"]) == ids["count"]
+    back = httpx.post(f"{system.url}/detokenize", json={"model": MODEL, "tokens": ids["tokens"]}).json()
+    assert back == {"prompt": DAYS}
+    # The same prompt sent as those ids is the same request: the model answers alike.
+    again = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=1, temperature=0)
+    assert again.choices[0].text == comp.choices[0].text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"model": MODEL}, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                   "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": [10 ** 9]}, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": "1 2"}, "tokens")])
+def test_tokenizer_routes_refuse_bad_input_with_400(system, path, body, param):
+    r = httpx.post(f"{system.url}{path}", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+
+
+def test_tokenizer_routes_know_only_served_models(system):
+    r = httpx.post(f"{system.url}/tokenize", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def kv_all_free(system) -> bool:
     return all(e["kv"]["pages_free"] == e["kv"]["pages_base"] + e["kv"]["pages_extension"]
                for e in system.cluster()["executors"] if e["alive"])

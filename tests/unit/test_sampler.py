@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.errors import InvalidRequestError
 from services.executor.engine.scheduling.sampler import CANDIDATES, SamplingRow, _truncate, apply_penalties, sample
+from shared.errors import InvalidRequestError
 from shared.sampling import SamplingOptions
 
 VOCAB = 50

@@ -9,12 +9,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.errors import QueueFullError
+from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
-from shared.sampling import SamplingOptions
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
+from shared.sampling import SamplingOptions
 
 BLOCK = 4
 PAGES = 40

@@ -5,9 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
-from shared.sampling import SamplingOptions
 from services.executor.engine.morphing.swapper import SwapError
 from shared.config import EngineConfig
+from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=20, ignore_eos=True)

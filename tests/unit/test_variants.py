@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from services.executor.engine.morphing import variants
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import LINEARS
+from services.executor.engine.morphing import variants
 from services.executor.engine.morphing.quant import Int4Weight, Int8Weight, int4_group, quantize_int4, quantize_int8
-from shared.sampling import SamplingOptions
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows, trace_linear_inputs
 from shared.config import EngineConfig
+from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 
 

@@ -58,7 +58,7 @@ class MorphSettings:
     max_layers: int = 8  # layers quantized at most, counting every quantized layer
     bits_order: tuple[int, ...] = (8, 4)
     release_margin: float = 0.10  # headroom the KV in use must keep after a restore
-    swap_order: tuple[int, ...] | None = None  # e.g. an LIS profile; None: front to back
+    swap_order: tuple[int, ...] | None = None  # overrides the executor's own (its LIS profile); None: the executor's
 
     def __post_init__(self) -> None:
         if self.swap_order is not None:  # lists come from JSON and CLIs; keep the dataclass hashable
@@ -124,15 +124,17 @@ def settings_for_config(config: ControllerConfig, num_layers: int) -> MorphSetti
 
 
 # --- the ladder, read from telemetry -------------------------------------------------------------
-def swap_order(settings: MorphSettings, num_layers: int) -> list[int]:
-    order = range(num_layers) if settings.swap_order is None else settings.swap_order
+def swap_order(settings: MorphSettings, num_layers: int, reported: list[int] | None = None) -> list[int]:
+    """The settings' order if given, else the one the executor reports (its LIS profile), else front to back."""
+    order = settings.swap_order if settings.swap_order is not None else (reported or range(num_layers))
     seen: set[int] = set()
     return [i for i in order if 0 <= i < num_layers and not (i in seen or seen.add(i))]
 
 
-def next_quantize(layers: list[int], settings: MorphSettings) -> tuple[list[int], int] | None:
+def next_quantize(layers: list[int], settings: MorphSettings, reported: list[int] | None = None
+                  ) -> tuple[list[int], int] | None:
     """The next step up: (layers, bits), or None at the top of the ladder."""
-    order = swap_order(settings, len(layers))
+    order = swap_order(settings, len(layers), reported)
     room = settings.max_layers - sum(1 for b in layers if is_quantized(b))
     fresh = [i for i in order if not is_quantized(layers[i])][:max(0, min(settings.step, room))]
     if fresh:
@@ -144,10 +146,10 @@ def next_quantize(layers: list[int], settings: MorphSettings) -> tuple[list[int]
     return None
 
 
-def next_restore(layers: list[int], settings: MorphSettings) -> list[int]:
+def next_restore(layers: list[int], settings: MorphSettings, reported: list[int] | None = None) -> list[int]:
     """The next step down: the most recently quantized layers on the ladder (layers outside the
     swap order are not this policy's and stay as they are)."""
-    order = swap_order(settings, len(layers))
+    order = swap_order(settings, len(layers), reported)
 
     def rung(pos: int) -> int:
         tier = max(0, sum(1 for b in settings.bits_order if layers[order[pos]] <= b) - 1)
@@ -230,8 +232,8 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
         # A skipped window breaks both runs; the time of the last step still counts for the dwell.
         quiet = replace(memory.hysteresis, pressure_windows=0, calm_windows=0)
         return [], ExecutorMemory(quiet, freed)
-    up = next_quantize(t.layers, settings)
-    down = next_restore(t.layers, settings)
+    up = next_quantize(t.layers, settings, t.swap_order)
+    down = next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.
     pressure = up is not None and under_pressure(es, settings)

@@ -13,23 +13,24 @@ from dataclasses import dataclass
 
 import torch
 
+from services.executor.engine.errors import DuplicateRequestError
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
 from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.errors import DuplicateRequestError
-from shared.errors import InvalidRequestError
 from services.executor.engine.memory.ledger import LedgerSnapshot
-from services.executor.engine.model.loader import load_checkpoint, resolve_model_path
 from services.executor.engine.model.decoder import DecoderModel, layer_layout
-from services.executor.engine.scheduling.outputs import Completion, CompletionDelta, CompletionOutput, TextStream, TokenLogprob
-from services.executor.engine.runner import ModelRunner
-from services.executor.engine.scheduling.sampler import SamplingRow, sample
-from shared.sampling import SamplingOptions
-from services.executor.engine.scheduling.scheduler import Scheduler
-from services.executor.engine.morphing.swapper import LayerSwapper
-from services.executor.engine.scheduling.sequence import Sequence, Status
+from services.executor.engine.model.loader import load_checkpoint, resolve_model_path
 from services.executor.engine.model.tokenizer import Tokenizer
+from services.executor.engine.morphing.swapper import LayerSwapper
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows
+from services.executor.engine.runner import ModelRunner
+from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
+                                                         TokenLogprob)
+from services.executor.engine.scheduling.sampler import SamplingRow, sample
+from services.executor.engine.scheduling.scheduler import Scheduler
+from services.executor.engine.scheduling.sequence import Sequence, Status
 from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingOptions
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ import torch
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.loader import resolve_model_path
-from shared.sampling import SamplingOptions
 from shared.config import EngineConfig, data_dir, parse_size
-
+from shared.sampling import SamplingOptions
 
 
 def sharegpt_prompts(engine: LLMEngine, path: Path, count: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:

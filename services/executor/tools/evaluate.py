@@ -10,6 +10,10 @@ bit for bit, after each measurement, so one loaded model serves a whole table.
 
 Perplexity runs the engine's own `DecoderModel.forward` over non-overlapping windows of `--window`
 tokens, each one prefill chunk in KV pages taken from the arena's ledger, with logits for every row.
+
+`--table` measures every K of `--ks` and every layer, for each width of `--table-bits`, in each order:
+`lis` (the shipped profile, or `--profile`), every profile given with `--compare`, front to back, back
+to front, and random, the mean over `--random-runs` seeded permutations.
 """
 
 import argparse
@@ -33,7 +37,11 @@ from shared.config import RESULTS_DIR, EngineConfig, parse_size
 DEFAULT_PROFILE = RESULTS_DIR / "lis_profile.json"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # norms and biases stay in full precision
 ORDERS = ("lis", "front", "back", "random")
-TABLE_KS = (0, 1, 2, 4, 8, 16, 30)
+# The table's K besides every layer, which it always measures: services/bench/quality.py reads the largest
+# K as "every layer", where all orders agree, and interpolates in between.
+TABLE_KS = (0, 4, 8, 16)
+TABLE_BITS = (8, 4)
+RANDOM_RUNS = 3
 
 
 def simulated(w: torch.Tensor, bits: int) -> torch.Tensor:
@@ -73,11 +81,13 @@ class SimulatedQuantization:
             for name, value in self._cache[(i, bits)].items():
                 views[name].copy_(value)
 
-    def restore(self) -> None:
-        for i, saved in self._saved.items():
-            for name, value in saved.items():
+    def restore(self, layers: list[int] | None = None) -> None:
+        """Copy the originals of `layers` (default: every quantized layer) back."""
+        for i in list(self._saved) if layers is None else layers:
+            if i not in self._saved:
+                raise ValueError(f"layer {i} is not quantized")
+            for name, value in self._saved.pop(i).items():
                 self.model.layers[i][name].copy_(value)
-        self._saved.clear()
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -164,42 +174,63 @@ def evaluate(engine: LLMEngine, quant: SimulatedQuantization, tokens: list[int],
         quant.restore()
 
 
-def table(engine, quant, tokens, window, profile, seed) -> list[dict]:
-    """Every (bits, order, K) of the doc's table; K=0 and K=all are run once each, as orders agree there."""
-    num_layers = engine.model_config.num_layers
-    orders = {o: swap_order(o, num_layers, profile, seed) for o in ORDERS}
-    ks = sorted({min(k, num_layers) for k in TABLE_KS})
-    base = evaluate(engine, quant, tokens, window, [], 8)
-    print(f"full precision: ppl {base:.3f}", flush=True)
+def table_orders(num_layers: int, profile: Path | None, compare: dict[str, Path], seed: int,
+                 random_runs: int) -> dict[str, list[list[int]]]:
+    """The table's rows: each order's label and its permutations, one each but `random_runs` seeded
+    ones for random, whose single draw could land on a lucky or an unlucky permutation."""
+    orders = {"lis": [swap_order("lis", num_layers, profile)]}
+    orders |= {label: [swap_order("lis", num_layers, path)] for label, path in compare.items()}
+    orders |= {order: [swap_order(order, num_layers)] for order in ("front", "back")}
+    orders["random"] = [swap_order("random", num_layers, seed=seed + run) for run in range(random_runs)]
+    return orders
+
+
+def table(engine: LLMEngine, quant: SimulatedQuantization, tokens: list[int], window: int,
+          orders: dict[str, list[list[int]]], ks: list[int], widths: list[int]) -> list[dict]:
+    """Perplexity for every (bits, order, K); an order with several permutations reports their mean.
+
+    A set of quantized layers is evaluated once per width whichever orders reach it, so K=0 runs once in
+    all and K=every layer once per width.
+    """
+    measured: dict[tuple[int, frozenset[int]], float] = {}
+
+    def ppl(layers: list[int], bits: int) -> float:
+        key = (bits if layers else 0, frozenset(layers))  # with nothing quantized the width is moot
+        if key not in measured:
+            measured[key] = evaluate(engine, quant, tokens, window, layers, bits)
+        return measured[key]
+
     rows = []
-    for bits in (8, 4):
-        shared = {0: base}
-        for order, layers in orders.items():
+    for bits in widths:
+        for label, permutations in orders.items():
             for k in ks:
-                if k not in shared or k not in (0, num_layers):
-                    started = time.perf_counter()
-                    ppl = evaluate(engine, quant, tokens, window, layers[:k], bits)
-                    if k in (0, num_layers):
-                        shared[k] = ppl
-                    print(f"int{bits} {order:>6} K={k:>2}: ppl {ppl:.3f} ({time.perf_counter() - started:.1f} s)",
-                          flush=True)
-                rows.append(dict(bits=bits, order=order, k=k, layers=layers[:k],
-                                 ppl=shared[k] if k in (0, num_layers) else ppl))
+                started = time.perf_counter()
+                runs = [dict(layers=p[:k], ppl=ppl(p[:k], bits)) for p in permutations]
+                mean = sum(r["ppl"] for r in runs) / len(runs)
+                rows.append(dict(bits=bits, order=label, k=k, ppl=mean, runs=runs))
+                print(f"int{bits} {label:>12} K={k:>2}: ppl {mean:.3f} ({time.perf_counter() - started:.1f} s)",
+                      flush=True)
         quant.clear_cache()
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Perplexity by K (columns) for each bit width and order (rows)."""
+    """Perplexity by K (columns) for each bit width and order (rows); a mean over several permutations
+    carries their range."""
     ks = sorted({r["k"] for r in rows})
     lines = ["| bits | order | " + " | ".join(f"K={k}" for k in ks) + " |",
              "|---|---|" + "---:|" * len(ks)]
-    for bits in (8, 4):
-        for order in ORDERS:
-            ppl = {r["k"]: r["ppl"] for r in rows if r["bits"] == bits and r["order"] == order}
-            if ppl:
-                lines.append(f"| int{bits} | {order} | " + " | ".join(f"{ppl[k]:.2f}" for k in ks) + " |")
+    for bits in dict.fromkeys(r["bits"] for r in rows):
+        for order in dict.fromkeys(r["order"] for r in rows):
+            cells = {r["k"]: cell(r) for r in rows if r["bits"] == bits and r["order"] == order}
+            lines.append(f"| int{bits} | {order} | " + " | ".join(cells[k] for k in ks) + " |")
     return "\n".join(lines)
+
+
+def cell(row: dict) -> str:
+    values = sorted({r["ppl"] for r in row["runs"]})
+    spread = f" ({values[0]:.2f}–{values[-1]:.2f})" if len(values) > 1 else ""
+    return f"{row['ppl']:.2f}{spread}"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -208,11 +239,18 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
-    for ax, bits in zip(axes, (8, 4)):
-        for order in ORDERS:
-            pts = sorted((r["k"], r["ppl"]) for r in rows if r["bits"] == bits and r["order"] == order)
-            ax.plot([k for k, _ in pts], [p for _, p in pts], marker="o", label=order)
+    widths = list(dict.fromkeys(r["bits"] for r in rows))
+    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4), squeeze=False)
+    for ax, bits in zip(axes[0], widths):
+        for order in dict.fromkeys(r["order"] for r in rows):
+            curve = sorted((r for r in rows if r["bits"] == bits and r["order"] == order), key=lambda r: r["k"])
+            ks = [r["k"] for r in curve]
+            runs = len(curve[0]["runs"])
+            line, = ax.plot(ks, [r["ppl"] for r in curve], marker="o",
+                            label=order if runs == 1 else f"{order} (mean of {runs}, band: range)")
+            if runs > 1:
+                ax.fill_between(ks, [min(x["ppl"] for x in r["runs"]) for r in curve],
+                                [max(x["ppl"] for x in r["runs"]) for r in curve], color=line.get_color(), alpha=0.15)
         ax.set_title(f"INT{bits} (simulated), layers quantized in swap order")
         ax.set_xlabel("K, decoder layers quantized")
         ax.set_ylabel("perplexity")
@@ -220,6 +258,15 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def labelled_path(text: str) -> tuple[str, Path]:
+    label, sep, path = text.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {text!r}")
+    if label in ORDERS:
+        raise argparse.ArgumentTypeError(f"{label!r} already labels a row of the table")
+    return label, Path(path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -233,10 +280,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", type=Path, default=None, help=f"LIS profile JSON (default {DEFAULT_PROFILE})")
     ap.add_argument("--max-tokens", type=int, default=32768)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random order (the first, with --table)")
     ap.add_argument("--memory-budget", default="600MiB")
     ap.add_argument("--table", action="store_true",
-                    help=f"run K in {TABLE_KS} x every order x bits 8 and 4, write perplexity.json and a plot")
+                    help="run every K of --ks and every layer x every order x every width of --table-bits, "
+                         "write perplexity.json and a plot")
+    ap.add_argument("--ks", type=int, nargs="+", default=list(TABLE_KS),
+                    help="with --table: the K to measure besides every layer")
+    ap.add_argument("--table-bits", type=int, nargs="+", choices=[4, 8], default=list(TABLE_BITS),
+                    help="with --table: the widths to measure")
+    ap.add_argument("--compare", type=labelled_path, action="append", default=[], metavar="LABEL=PATH",
+                    help="with --table: one more row, the swap order of another profile JSON (repeatable)")
+    ap.add_argument("--random-runs", type=int, default=RANDOM_RUNS,
+                    help="with --table: random orders averaged (seeds --seed, --seed+1, ...)")
     ap.add_argument("--out", type=Path, default=None, help="folder of the JSON (default: . , or docs/results "
                                                              "with --table)")
     args = ap.parse_args(argv)
@@ -247,16 +303,20 @@ def main(argv: list[str] | None = None) -> dict:
                                     max_model_len=args.window), progress=False)
     quant = SimulatedQuantization(engine)
     tokens = load_tokens(engine, args.corpus, args.max_tokens)
+    num_layers = engine.model_config.num_layers
     started = time.perf_counter()
     result = dict(model=args.model, corpus=str(args.corpus), tokens=len(tokens), window=args.window,
                   machine=dict(platform=platform.platform(), processor=platform.processor(),
                                torch_threads=torch.get_num_threads()),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if args.table:
-        result["rows"] = table(engine, quant, tokens, args.window, args.profile, args.seed)
+        orders = table_orders(num_layers, args.profile, dict(args.compare), args.seed, args.random_runs)
+        ks = sorted({min(k, num_layers) for k in args.ks} | {num_layers})
+        result["profiles"] = {"lis": str(args.profile or DEFAULT_PROFILE)} | {k: str(v) for k, v in args.compare}
+        result["rows"] = table(engine, quant, tokens, args.window, orders, ks, args.table_bits)
         path = out / "perplexity.json"
     else:
-        layers = swap_order(args.order, engine.model_config.num_layers, args.profile, args.seed)[:args.quantized]
+        layers = swap_order(args.order, num_layers, args.profile, args.seed)[:args.quantized]
         ppl = evaluate(engine, quant, tokens, args.window, layers, args.bits)
         result |= dict(bits=args.bits, order=args.order, k=args.quantized, layers=layers, ppl=ppl)
         print(f"ppl {ppl:.3f}  (int{args.bits}, K={args.quantized}, order {args.order}, {len(tokens)} tokens)")

@@ -16,7 +16,6 @@ from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.config import ModelConfig
 
 
-
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the engine may ask for, with its [out, in] shape."""
     h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size

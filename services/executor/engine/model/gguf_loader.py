@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.executor.engine.model.checkpoint import Checkpoint, _check_supported, _source_name
 from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
+from services.executor.engine.model.checkpoint import Checkpoint, _check_supported, _source_name
 from services.executor.engine.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 
 # Mistral GGUFs are written with general.architecture "llama"; the weights and RoPE layout match.

@@ -17,7 +17,6 @@ import importlib.util
 import os
 
 from services.executor.engine.errors import ModelLoadError
-
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.gguf_loader import _load_gguf
 from services.executor.engine.model.hf_loader import _load_hf

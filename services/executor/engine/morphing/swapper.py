@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.memory.arena import Arena
 from services.executor.engine.errors import EngineError, OutOfPagesError
+from services.executor.engine.memory.arena import Arena
 from services.executor.engine.model.decoder import DecoderModel, layer_layout, variant_layout
-from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.morphing.variants import VariantStore
+from services.executor.engine.scheduling.scheduler import Scheduler
 
 
 class SwapError(EngineError):

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from shared.sampling import SamplingOptions
 from services.executor.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.sampling import SamplingOptions
 
 
 @dataclass

@@ -1,179 +1,22 @@
-"""Two promises that only hold when the real pieces are wired together over a real nats-server.
+"""The controller's command machinery (CommandSender) against a real ExecutorService over a real nats-server.
 
-1. One trace per HTTP request: the gateway's server span (with its GenAI attributes) and the
-   executor's request/queue/prefill/decode spans share a trace id, the executor's spans hang under
-   the gateway's span through the W3C trace context carried in NATS headers, and no span carries
-   the prompt text. Gateway (uvicorn), executor and monitor run in this process (each on its own
-   thread and event loop) so that one in-memory exporter sees every span; the unit tests of each
-   side cannot show that the context survives the hop across the bus.
-2. The controller's command machinery (CommandSender) against a real ExecutorService: ping, drain,
-   bad commands refused with the culprit named, idempotent replays of a seq, the audit event on the events subject, and the
-   bounded time a command to a missing or silent executor takes to fail.
+Ping, drain, bad commands refused with the culprit named, idempotent replays of a seq, the audit
+event on the events subject, and the bounded time a command to a missing or silent executor takes to
+fail: the unit tests of either side cannot show that sender and executor agree on the wire.
 """
 
 import asyncio
 import threading
 import time
 
-import httpx
-import openai
-import uvicorn
-from opentelemetry import trace
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from services.executor.service import ExecutorService
-from services.gateway.app import create_app
-from services.monitor.service import MonitorService
 from shared import subjects
 from shared.bus import Bus
-from shared.config import EngineConfig, ExecutorConfig, GatewayConfig, MonitorConfig
 from shared.commands import CommandSender
+from shared.config import EngineConfig, ExecutorConfig
 from shared.messages import Admission, Command, CommandResult, DrainArgs, Event, GenerateRequest, PingArgs, TokenBatch
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
-from tests.nats_server import free_port
-
-# A word that appears nowhere but in the prompts, so that finding it in a span means the prompt leaked.
-SECRET = "zebracornium"
-
-
-class LoopThread:
-    """An asyncio event loop on its own thread, for the services that share the process with uvicorn."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="services-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "the services' event loop did not stop"
-        self.loop.close()
-
-
-def wait_for(check, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
-def request_spans(exporter: InMemorySpanExporter, path: str):
-    """(gateway server span, {name: executor span}, every span) of the one request since `exporter` was cleared."""
-    names = ("executor.request", "executor.queue", "executor.prefill", "executor.decode")
-
-    def complete():
-        done = exporter.get_finished_spans()
-        gateway = [s for s in done if s.name == f"POST {path}"]
-        executor = {s.name: s for s in done if s.name in names}
-        return (gateway[0], executor, done) if len(gateway) == 1 and set(executor) == set(names) else None
-
-    return wait_for(complete, f"the gateway's and the executor's spans of POST {path}")
-
-
-def assert_one_trace(gateway, mine: dict, every: tuple, model: str, input_tokens: int, output_tokens: int) -> None:
-    assert gateway.kind == trace.SpanKind.SERVER
-    attrs = gateway.attributes
-    assert attrs["gen_ai.request.model"] == model and attrs["gen_ai.request.max_tokens"] == 8
-    assert attrs["gen_ai.usage.input_tokens"] == input_tokens
-    assert attrs["gen_ai.usage.output_tokens"] == output_tokens
-    assert attrs["http.response.status_code"] == 200
-
-    trace_ids = {name: hex(s.context.trace_id) for name, s in mine.items()}
-    assert set(trace_ids.values()) == {hex(gateway.context.trace_id)}, \
-        f"the executor's spans are not in the gateway's trace {gateway.context.trace_id:#x}: {trace_ids}"
-    # The executor's root span hangs under the gateway's server span (possibly through spans between).
-    by_id = {s.context.span_id: s for s in every if s.context.trace_id == gateway.context.trace_id}
-    root = mine["executor.request"]
-    chain, span = [], root
-    while span.parent is not None and span.context.span_id != gateway.context.span_id:
-        span = by_id.get(span.parent.span_id)
-        assert span is not None, f"executor.request's parent chain {chain} leaves the trace before the gateway"
-        chain.append(span.name)
-    assert span.context.span_id == gateway.context.span_id, f"executor.request is not under the gateway: {chain}"
-    for phase in ("executor.queue", "executor.prefill", "executor.decode"):
-        assert mine[phase].parent.span_id == root.context.span_id
-        assert mine[phase].context.trace_id == gateway.context.trace_id
-    assert gateway.start_time <= root.start_time <= root.end_time <= gateway.end_time
-    assert root.attributes["gen_ai.request.model"] == model
-    assert root.attributes["gen_ai.usage.input_tokens"] == input_tokens
-    assert root.attributes["gen_ai.usage.output_tokens"] == output_tokens
-
-
-def test_one_trace_from_http_to_the_executors_decode_span(nats_server, spans):
-    services = LoopThread()
-    executor = ExecutorService(ExecutorConfig(
-        executor_id="exec-tr", nats_url=nats_server.url,
-        engine=EngineConfig(memory_budget=700 << 20, max_model_len=1024)))
-    monitor = MonitorService(MonitorConfig(nats_url=nats_server.url))
-    buses: list[Bus] = []
-
-    async def start_services():
-        buses.append(await Bus.connect(nats_server.url, "executor-exec-tr"))
-        buses.append(await Bus.connect(nats_server.url, "monitor"))
-        await executor.start(buses[0])
-        await monitor.start(buses[1])
-
-    async def stop_services():
-        await executor.stop(drain_timeout_s=5)
-        await monitor.stop()
-        for bus in buses:
-            await bus.close()
-
-    port = free_port()
-    config = GatewayConfig(nats_url=nats_server.url, host="127.0.0.1", port=port, gateway_id="gw-tr")
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    gateway_thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        services.run(start_services())
-        gateway_thread.start()
-        wait_for(lambda: server.started or not gateway_thread.is_alive(), "uvicorn to start", 20)
-        assert server.started, "the gateway did not start"
-        wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, "/ready to answer 200", 20)
-
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-        [model] = [m.id for m in client.models.list().data]
-        assert model == "SmolLM2-135M-Instruct"
-        messages = [{"role": "user", "content": f"What colour is a {SECRET}? Answer in one word."}]
-
-        spans.clear()
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
-        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
-        gateway, mine, every = request_spans(spans, "/v1/chat/completions")
-        assert_one_trace(gateway, mine, every, model, reply.usage.prompt_tokens, reply.usage.completion_tokens)
-        first_trace = gateway.context.trace_id
-        every_span = list(spans.get_finished_spans())
-
-        spans.clear()
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
-        chunks = list(stream)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        usage = chunks[-1].usage
-        assert text == reply.choices[0].message.content  # greedy: the same answer both ways
-        assert usage.completion_tokens == reply.usage.completion_tokens
-        gateway, mine, every = request_spans(spans, "/v1/chat/completions")
-        assert_one_trace(gateway, mine, every, model, usage.prompt_tokens, usage.completion_tokens)
-        assert gateway.context.trace_id != first_trace, "two requests ended up in one trace"
-        every_span += spans.get_finished_spans()
-
-        leaks = [(s.name, k) for s in every_span for k, v in (s.attributes or {}).items() if SECRET in str(v)]
-        assert not leaks, f"the prompt text is recorded in span attributes: {leaks}"
-    finally:
-        server.should_exit = True
-        gateway_thread.join(15)
-        try:
-            services.run(stop_services())
-        finally:
-            services.close()
-    assert not gateway_thread.is_alive(), "the gateway did not shut down"
-    assert not executor.engine.has_unfinished()
 
 
 class EventLog:
@@ -317,9 +160,8 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             mute = await sender.send("exec-silent", DrainArgs())
             elapsed = time.monotonic() - started
             assert not mute.ok and "no reply within 1.0 s" in mute.error
-            for _ in range(40):  # the watcher's callback may trail the sender's last timeout a little
-                if len(heard) >= 3:
-                    break
+            deadline = time.monotonic() + 10  # the watcher's callback may trail the sender's last timeout
+            while len(heard) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert heard == [mute.seq] * 3  # each retry carries the same seq
             assert 3.0 <= elapsed < 1.0 * 3 + 1.0

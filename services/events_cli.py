@@ -16,7 +16,7 @@ import time
 from datetime import datetime
 
 from shared import subjects
-from shared.bus import Bus, BusError, JetStreamOff, NoSuchStream, StreamError
+from shared.bus import Bus, BusError, JetStreamOff, NoSuchStream, StreamError, stop_on_signals
 from shared.config import EventStreamConfig
 from shared.messages import Event
 
@@ -29,6 +29,7 @@ lines look like:
 
 Times are the sender's, local, to the millisecond; --since counts by when the server stored an event."""
 CONNECT_TIMEOUT_S = 3.0  # a CLI that cannot reach NATS says so at once instead of retrying like a service
+CLOSE_TIMEOUT_S = 1.0  # a reader has nothing in flight worth waiting for at exit
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)([smhd])")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -133,11 +134,26 @@ async def _print_events(args: argparse.Namespace, since: float) -> int:
         return 1
     stream = EventStreamConfig().name
     shown = 0
-    try:
+
+    async def show() -> None:
+        nonlocal shown
         async for event in bus.replay(stream, subjects.EVENTS, Event, since, follow=args.follow):
             if selected(event, args.kind, args.executor):
                 print(format_json(event) if args.json else format_line(event), flush=True)
                 shown += 1
+
+    # Ctrl-C (how --follow ends) stops the reading at once, rather than interrupting it wherever it is.
+    stop = stop_on_signals()
+    reading = asyncio.create_task(show())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            return 0
+        reading.result()
     except JetStreamOff:
         print(f"{PROG}: events are not kept: the NATS server at {args.nats} runs without JetStream. Start it with "
               "-js (morphling up does) or give its configuration a jetstream block, then restart the monitor: it "
@@ -151,7 +167,7 @@ async def _print_events(args: argparse.Namespace, since: float) -> int:
         print(f"{PROG}: cannot read the events: {exc}", file=sys.stderr)
         return 1
     finally:
-        await bus.close()
+        await bus.close(timeout=CLOSE_TIMEOUT_S)
     if not shown:
         print(f"{PROG}: no matching events since {local_time(since)}", file=sys.stderr)
     return 0
@@ -166,5 +182,5 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     try:
         return asyncio.run(_print_events(args, since))
-    except KeyboardInterrupt:  # how --follow ends
+    except KeyboardInterrupt:  # Ctrl-C while still connecting
         return 0

@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 
 class BusError(Exception):
-    """A request got no answer: nobody listens on the subject, or the answer came too late."""
+    """The bus could not do what was asked of `subject` (a subject, or a stream's name): a request got no
+    answer (nobody listens, or the answer came too late), or a stream could not be made or read."""
 
     def __init__(self, subject: str, problem: str):
         super().__init__(f"{subject}: {problem}")
@@ -61,13 +62,8 @@ class BadMessage(Exception):
         self.param = param
 
 
-class StreamError(Exception):
-    """A JetStream stream could not be created, updated or read."""
-
-    def __init__(self, stream: str, problem: str):
-        super().__init__(f"stream {stream}: {problem}")
-        self.stream = stream
-        self.problem = problem
+class StreamError(BusError):
+    """A JetStream stream could not be created, updated or read; `subject` names the stream."""
 
 
 class JetStreamOff(StreamError):
@@ -292,26 +288,31 @@ class Bus:
 
     async def _jetstream_call(self, stream: str, action: str, call: Awaitable[T]) -> T:
         """Await a JetStream API call, its nats-py errors turned into StreamErrors that say what failed."""
+        name = f"stream {stream}"
         try:
             return await call
         except ServiceUnavailableError as exc:
-            raise JetStreamOff(stream, f"cannot {action}: no JetStream on the server") from exc
+            raise JetStreamOff(name, f"cannot {action}: no JetStream on the server") from exc
         except NotFoundError as exc:
-            raise NoSuchStream(stream, f"cannot {action}: no such stream") from exc
+            raise NoSuchStream(name, f"cannot {action}: no such stream") from exc
         except APIError as exc:
-            raise StreamError(stream, f"cannot {action}: {exc.description} (JetStream error {exc.err_code})") \
-                from exc
+            raise StreamError(name, f"cannot {action}: {exc.description} (JetStream error {exc.err_code})") from exc
         except NatsTimeout as exc:
             # A user without permission on $JS.API.> gets no answer at all, only a timeout.
-            raise StreamError(stream, f"cannot {action}: no answer from the JetStream API within "
-                                      f"{JS_API_TIMEOUT_S:.0f} s (may this user publish on $JS.API.>?)") from exc
+            raise StreamError(name, f"cannot {action}: no answer from the JetStream API within "
+                                    f"{JS_API_TIMEOUT_S:.0f} s (may this user publish on $JS.API.>?)") from exc
 
     async def flush(self, timeout: float = 2.0) -> None:
         await self._nc.flush(timeout=timeout)
 
-    async def close(self) -> None:
-        if not self._nc.is_closed:
-            await self._nc.drain()
+    async def close(self, timeout: float | None = None) -> None:
+        """Drain (deliver what is in flight, then disconnect); after `timeout` seconds just disconnect."""
+        if self._nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self._nc.drain(), timeout)
+        except asyncio.TimeoutError:
+            await self._nc.close()
 
 
 def _has_settings(config: StreamConfig, wanted: dict) -> bool:

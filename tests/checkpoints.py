@@ -112,6 +112,17 @@ def write_tiny_llama3(out) -> Path:
     return _save(model, out, torch.float32, {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, BOS_ID]})
 
 
+def tiny_llama3_engine(out, **config):
+    """An engine over a tiny Llama-3 checkpoint written to `out`, in an arena sized for it; `config` sets
+    other EngineConfig fields."""
+    from services.executor.engine.engine import LLMEngine
+    from shared.config import EngineConfig
+
+    path = write_tiny_llama3(out)
+    return LLMEngine(EngineConfig(model=str(path), memory_budget=4 << 20, block_size=8, max_model_len=256, **config),
+                     progress=False)
+
+
 def write_tiny_qwen2(out) -> Path:
     """Qwen2 style: MHA 4/4 heads, non-zero q/k/v biases, untied lm_head, rope_theta 1e6, stored as bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -27,7 +27,7 @@ from shared.messages import (SCHEMA_VERSION, Admission, Cancel, Command, Command
                              GenerateRequest, TokenBatch, TokenDelta)
 from shared.sampling import SamplingOptions
 from shared.telemetry import tracer
-from tests.checkpoints import write_tiny_llama3
+from tests.checkpoints import tiny_llama3_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 EXEC = "exec-t"
@@ -41,9 +41,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = write_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model")
-    return LLMEngine(EngineConfig(model=str(path), memory_budget=4 << 20, block_size=8, max_model_len=256,
-                                  max_num_seqs=2, max_waiting=2), progress=False)
+    return tiny_llama3_engine(tmp_path_factory.mktemp("tiny") / "model", max_num_seqs=2, max_waiting=2)
 
 
 class Gateway:

@@ -17,10 +17,10 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.service import ExecutorService
 from shared import subjects
 from shared.bus import Incoming, decode
-from shared.config import EngineConfig, ExecutorConfig, GatewayConfig
+from shared.config import ExecutorConfig, GatewayConfig
 from shared.messages import Admission, Cancel, GenerateRequest, TokenBatch, TokenDelta
 from shared.sampling import SamplingOptions
-from tests.checkpoints import write_tiny_llama3
+from tests.checkpoints import tiny_llama3_engine
 
 EXEC = "exec-b"
 GW = "gw-b"
@@ -29,9 +29,7 @@ TIMEOUT_S = 20.0
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = write_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model")
-    return LLMEngine(EngineConfig(model=str(path), memory_budget=4 << 20, block_size=8, max_model_len=256,
-                                  max_num_seqs=2, max_waiting=8), progress=False)
+    return tiny_llama3_engine(tmp_path_factory.mktemp("tiny") / "model", max_num_seqs=2, max_waiting=8)
 
 
 class _Subscription:

@@ -15,7 +15,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.tools import evaluate as evaluation, profile as profiling
 from services.executor.tools.evaluate import (
     DEFAULT_CORPUS, DEFAULT_PROFILE, PROJECTIONS, SimulatedQuantization, evaluate, load_tokens, markdown_table,
-    perplexity, swap_order, table,
+    perplexity, table,
 )
 from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk, rms_norm
 from services.executor.tools.profile import (

@@ -1,13 +1,9 @@
 """The executor process: NATS on one side, the engine on the other (DESIGN.md, "Processes").
 
 This side is thin on purpose. The engine runs in its own thread (worker.py); here the asyncio loop
-receives requests, cancels and commands, answers commands, publishes telemetry, and drains the one
-ordered outbox through which everything the engine thread sends leaves, so that a request's Admission
-reply is always written before its first TokenBatch.
-
-The outbox is bounded by backpressure, not by dropping: once `outbox_limit` sends are queued and
-unsent, the engine thread waits before queueing another, so a slow bus slows generation down instead
-of piling up token batches in memory, and every message still leaves, in order.
+receives requests, cancels and commands, answers commands and tokenizer requests, publishes
+telemetry, and runs the one ordered, bounded outbox (outbox.py) through which everything the engine
+thread sends leaves, so that a request's Admission reply is always written before its first TokenBatch.
 
 `--static-bits 8|4` quantizes every decoder layer once, after the engine loads and before the
 executor serves: the static INT8/INT4 baselines that morphing is measured against. It goes through
@@ -19,14 +15,14 @@ import argparse
 import asyncio
 import json
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from services.executor.engine.errors import EngineError, QueueFullError
+from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
@@ -68,17 +64,12 @@ class ExecutorService:
         self.model_name = served_model_name(engine.config.model)
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # Unbounded as a queue: `_send` bounds it, and the publisher's stop marker must always fit.
-        self._outbox: asyncio.Queue[Callable[[], Awaitable[None]] | None] = asyncio.Queue()
-        self._room = threading.Condition()  # guards the two fields below; the engine thread waits on it
-        self._unsent = 0  # sends queued and not yet done
-        self._closing = False  # set at stop: from then on the engine thread never waits for room
-        self._tasks: list[asyncio.Task] = []
+        self._outbox = Outbox(self.id, config.outbox_limit, config.flush_timeout_s)
+        self._telemetry_task: asyncio.Task | None = None
         self._subs: list = []
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
-                                   config.admission_limit, self._send, self._publish)
+                                   config.admission_limit, self._outbox.put, self._publish)
 
     @property
     def draining(self) -> bool:
@@ -86,9 +77,9 @@ class ExecutorService:
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self, bus: Bus) -> None:
-        self._bus, self._loop = bus, asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._publisher(), name=f"{self.id}-publisher"),
-                       asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")]
+        self._bus = bus
+        self._outbox.start()
+        self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
         self.worker.start()
         self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer,
                                           refuse=self._refuse_request),
@@ -113,13 +104,11 @@ class ExecutorService:
                         self.worker.snapshot.in_flight, drain_timeout_s)
         for sub in self._subs:
             await unsubscribe(sub)
-        # The engine thread's last sends (the aborts of what is left) are few, and the bus may be what is
-        # stuck: waiting for room now could keep join() from returning.
-        self._stop_waiting_for_room()
+        self._outbox.stop_waiting()  # so that join() cannot hang on a stuck bus
         await asyncio.to_thread(self.worker.join)  # aborts what is left; its final deltas are queued
-        self._tasks[1].cancel()
-        await self._outbox.put(None)  # the publisher sends everything queued, then ends
-        await self._flush_outbox()
+        self._telemetry_task.cancel()
+        await asyncio.gather(self._telemetry_task, return_exceptions=True)
+        await self._outbox.finish()
         await self._bus.flush()
 
     # --- bus handlers -------------------------------------------------------------------------
@@ -204,42 +193,8 @@ class ExecutorService:
         return result
 
     # --- sending ------------------------------------------------------------------------------
-    def _send(self, send: Callable[[], Awaitable[None]]) -> None:
-        """From the engine thread only (it may block): queue a send behind everything queued before it,
-        first waiting while `outbox_limit` sends are unsent."""
-        with self._room:
-            self._room.wait_for(lambda: self._unsent < self.config.outbox_limit or self._closing)
-            self._unsent += 1
-        self._loop.call_soon_threadsafe(self._outbox.put_nowait, send)
-
-    def _stop_waiting_for_room(self) -> None:
-        with self._room:
-            self._closing = True
-            self._room.notify_all()
-
     async def _publish(self, subject: str, message) -> None:
         await self._bus.publish(subject, message)
-
-    async def _publisher(self) -> None:
-        while (send := await self._outbox.get()) is not None:
-            try:
-                await send()
-            except Exception:  # one lost message must not hold back the ones behind it
-                log.exception("executor %s: sending failed", self.id)
-            with self._room:
-                self._unsent -= 1
-                self._room.notify()
-
-    async def _flush_outbox(self) -> None:
-        """Wait for the publisher to send what is queued, for at most flush_timeout_s: a bus that takes no
-        more messages must not keep the executor from stopping."""
-        publisher = self._tasks[0]
-        await asyncio.wait({publisher}, timeout=self.config.flush_timeout_s)
-        if not publisher.done():
-            log.warning("executor %s: %d messages still unsent after %.1f s; dropping them", self.id,
-                        self._unsent, self.config.flush_timeout_s)
-            publisher.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _telemetry(self) -> None:
         while True:

@@ -79,7 +79,6 @@ class ExecutorService:
     async def start(self, bus: Bus) -> None:
         self._bus = bus
         self._outbox.start()
-        self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
         self.worker.start()
         self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer,
                                           refuse=self._refuse_request),
@@ -89,6 +88,8 @@ class ExecutorService:
                       await bus.subscribe(subjects.tokenize(self.id), TokenizeRequest, self._on_tokenize),
                       await bus.subscribe(subjects.detokenize(self.id), DetokenizeRequest, self._on_detokenize)]
         await bus.flush()
+        # Telemetry is what makes the gateway route here, so it starts only once every subscription is in.
+        self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
         log.info("executor %s serving %s (max_model_len %d)", self.id, self.model_name, self.engine.max_model_len)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:

@@ -17,6 +17,7 @@ from shared.config import EngineConfig, ExecutorConfig
 from shared.messages import Admission, Command, CommandResult, DrainArgs, Event, GenerateRequest, PingArgs, TokenBatch
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
+from tests.nats_server import until_routed
 
 
 class EventLog:
@@ -156,6 +157,7 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
 
             await watch_bus.subscribe(subjects.command("exec-silent"), Command, silent)
             await watch_bus.flush()
+            await until_routed(ctl_bus, subjects.command("exec-silent"))
             started = time.monotonic()
             mute = await sender.send("exec-silent", DrainArgs())
             elapsed = time.monotonic() - started

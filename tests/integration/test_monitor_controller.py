@@ -16,9 +16,8 @@ from shared.bus import Bus
 from shared.commands import CommandSender
 from shared.config import ControllerConfig, MonitorConfig
 from shared.messages import ClusterState, Command, CommandResult, Event, PingArgs, QuantizeArgs
+from tests.nats_server import until_routed
 from tests.unit.test_monitor_aggregate import telemetry
-
-ATTEMPT_S = 1.5  # the sender's timeout per attempt in the retry test
 
 
 async def _collect(bus: Bus, subject: str, model) -> list[tuple[float, object]]:
@@ -138,8 +137,8 @@ def test_command_sender_retries_with_the_same_seq_and_audits(nats_server):
         side = await Bus.connect(nats_server.url, "executor")
         events = await _collect(side, subjects.EVENTS, Event)
         received, _ = await _responder(side, "x", drop_first=1)
-        # Long enough that an answered attempt is never taken for a lost one on a loaded machine.
-        sender = CommandSender(ctl, "ctl-test", timeout_s=ATTEMPT_S, retries=2)
+        await until_routed(ctl, subjects.command("x"))  # so that the first attempt is the one dropped
+        sender = CommandSender(ctl, "ctl-test", timeout_s=0.3, retries=2)
 
         result = await sender.send("x", QuantizeArgs(layers=[0, 1], bits=8), "a test quantizes")
         assert result.ok and result.executor == "x" and result.issuer == "ctl-test"
@@ -157,11 +156,11 @@ def test_command_sender_retries_with_the_same_seq_and_audits(nats_server):
         assert first.data["ok"] and first.data["attempts"] == 2 and first.data["seq"] == result.seq
         assert first.data["executor"] == "x" and first.data["kind"] == "quantize"
         assert first.data["reason"] == "a test quantizes" and first.data["state"] == {"n": 2}
-        assert first.data["latency_s"] >= ATTEMPT_S  # one timed-out attempt
+        assert first.data["latency_s"] >= 0.3  # one timed-out attempt
         assert second.data["attempts"] == 1
         assert not third.data["ok"] and third.data["attempts"] == 3 and third.data["error"] == failed.error
         # A restarted controller starts above the seqs its predecessor used.
-        assert CommandSender(ctl, "ctl-test", ATTEMPT_S, 2).next_seq() > again.seq
+        assert CommandSender(ctl, "ctl-test", 0.3, 2).next_seq() > again.seq
         await ctl.close()
         await side.close()
 

@@ -44,7 +44,7 @@ def test_freeing_a_free_page_is_refused():
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random allocate / share / free / slot changes against a model of who holds what."""
+    """Random allocate / share / free / relocate / slot changes against a model of who holds what."""
 
     def __init__(self):
         super().__init__()
@@ -78,6 +78,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.refs[page] -= 1
         if not self.refs[page]:
             del self.refs[page]
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def relocate(self, data):
+        page = data.draw(st.sampled_from(sorted(self.refs)))
+        avoid = set(data.draw(st.lists(st.integers(0, 23), max_size=8)))
+        room = [p for p in range(24) if p not in self.refs and p not in self.slot and p not in avoid]
+        if not room:
+            with pytest.raises(LedgerError):
+                self.ledger.relocate(page, avoid)
+            return
+        new = self.ledger.relocate(page, avoid)
+        assert new in room  # a free page, outside what must be vacated
+        self.refs[new] = self.refs.pop(page)  # every reference moved with it; the old page is free
 
     @rule(page=st.integers(0, 23))
     def free_unowned_is_refused(self, page):

@@ -134,6 +134,25 @@ def test_a_restore_that_cannot_make_room_is_refused_and_changes_nothing(tiny_dir
         engine.swapper.set_bits([0], 3)
 
 
+def test_counts_follow_the_swap_order_up_and_come_back_most_recent_first(tiny_dir):
+    engine = tiny(tiny_dir, kv_pages=8)
+    swapper, full = engine.swapper, engine.model.full_bits
+    assert swapper.swap_order == [0, 1, 2, 3]  # until a profile is set
+    swapper.swap_order = [2, 0, 3, 1]
+    assert swapper.next_layers(2, 8) == [2, 0]
+    swapper.set_bits([2, 0], 8)
+    assert swapper.next_layers(3, 4) == [2, 0, 3]  # narrower: the INT8 layers first, in order, then on
+    assert swapper.next_layers(1, full) == [0]  # restoring walks back: the last one quantized first
+    for bad in ([0, 1, 2], [0, 0, 1, 2], [0, 1, 2, 3, 4]):
+        with pytest.raises(SwapError, match="name each of the 4 layers once"):
+            swapper.swap_order = bad
+    assert swapper.swap_order == [2, 0, 3, 1]
+    with pytest.raises(SwapError, match="between 1 and 2"):
+        swapper.next_layers(3, full)
+    with pytest.raises(SwapError, match="between 1 and 2"):
+        swapper.next_layers(0, full)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 3)),

@@ -73,9 +73,9 @@ class CommandSender:
                 result = reply
                 break
             if result is None:
-                result = CommandResult(seq=command.seq, issuer=self.issuer, executor=executor,
-                                       kind=command.kind, ok=False,
-                                       error=f"no answer after {attempts} attempt(s): {'; '.join(dict.fromkeys(errors))}")
+                causes = "; ".join(dict.fromkeys(errors))  # each cause once, however many attempts it ended
+                result = CommandResult(seq=command.seq, issuer=self.issuer, executor=executor, kind=command.kind,
+                                       ok=False, error=f"no answer after {attempts} attempt(s): {causes}")
             span.set_attributes({"morphling.command.ok": result.ok, "morphling.command.attempts": attempts})
         latency = time.monotonic() - started
         await self._audit(executor, command, result, attempts, latency, reason)

@@ -1,5 +1,6 @@
 """Configuration of every Morphling process, in one place. No torch import here."""
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,20 @@ def served_model_name(model: str) -> str:
     if model == "default":
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(os.path.expanduser(model)))
+
+
+def read_swap_order(path: str) -> tuple[int, ...]:
+    """The "order" of a `morphling profile` JSON file: layer indices, most swappable first. The executor
+    takes its swap order from one, the controller an order that overrides the executors'."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the swap order from {path}: {exc}") from exc
+    order = data.get("order") if isinstance(data, dict) else None
+    if (not isinstance(order, list) or not order
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in order)):
+        raise ValueError(f"{path} has no swap order: expected {{\"order\": [layer indices]}}")
+    return tuple(order)
 
 
 def data_dir() -> Path:

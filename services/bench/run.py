@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -151,26 +153,34 @@ class UpProcess:
         self.log.close()
 
 
-def tokenized_prompts(url: str, args, texts: list[str], requests: list[TraceRequest]) -> list[list[int]]:
+@contextmanager
+def system_for(mode: str, args) -> Iterator[str]:
+    """The URL to bench `mode` at: --url's, or that of a `morphling up` started for it and stopped after."""
+    if args.url:
+        yield args.url.rstrip("/")
+        return
+    run_dir = args.out / "logs" / mode
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"morphling bench: starting the system for {mode} (logs in {run_dir})...", file=sys.stderr)
+    system = UpProcess(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
+    try:
+        yield system.wait_ready(args.startup_timeout)
+    finally:
+        system.stop()
+
+
+def tokenized_prompts(client: httpx.Client, url: str, model: str, seed: int, texts: list[str],
+                      requests: list[TraceRequest]) -> list[list[int]]:
     """A real prompt of exactly the trace's length for every request, in the served model's own token
     ids: the served system's /tokenize does the encoding, so the bench needs no model of its own."""
-    with http_client(args) as client:
-        model = served_model(client, url)
-        pool = PromptPool(texts, lambda text: tokenize(client, url, model, text), args.seed)
-        return [pool.take(r.prompt_tokens) for r in requests]
+    pool = PromptPool(texts, lambda text: tokenize(client, url, model, text), seed)
+    return [pool.take(r.prompt_tokens) for r in requests]
 
 
-def http_client(args) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return httpx.Client(headers=headers, timeout=30)
-
-
-def run_mode(mode: str, url: str, args, requests: list[TraceRequest], prompts: list[list[int]]
+def run_mode(mode: str, url: str, model: str, args, requests: list[TraceRequest], prompts: list[list[int]]
              ) -> tuple[list[RequestRecord], list[ClusterSample], float]:
     from tqdm import tqdm
 
-    with http_client(args) as client:
-        model = served_model(client, url)
     failures = 0
     with tqdm(total=len(requests), desc=f"{mode:>5}", unit="req", dynamic_ncols=True, file=sys.stderr) as bar:
         def done(record: RequestRecord) -> None:
@@ -253,29 +263,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict] = {}
     prompts: list[list[int]] | None = None  # tokenized by the first system, for every mode alike
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     for mode in args.modes:
-        if args.url:
-            url = args.url.rstrip("/")
-            try:
-                prompts = prompts or tokenized_prompts(url, args, texts, requests)
-                outcome = run_mode(mode, url, args, requests, prompts)
-            except httpx.HTTPError as e:
-                print(f"morphling bench: {url}: {e}", file=sys.stderr)
-                return 1
-        else:
-            run_dir = args.out / "logs" / mode
-            run_dir.mkdir(parents=True, exist_ok=True)
-            print(f"morphling bench: starting the system for {mode} (logs in {run_dir})...", file=sys.stderr)
-            system = UpProcess(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
-            try:
-                url = system.wait_ready(args.startup_timeout)
-                prompts = prompts or tokenized_prompts(url, args, texts, requests)
-                outcome = run_mode(mode, url, args, requests, prompts)
-            except (RuntimeError, httpx.HTTPError) as e:
-                print(f"morphling bench: {mode}: {e}", file=sys.stderr)
-                return 1
-            finally:
-                system.stop()
+        try:
+            with system_for(mode, args) as url, httpx.Client(headers=headers, timeout=30) as client:
+                model = served_model(client, url)
+                prompts = prompts or tokenized_prompts(client, url, model, args.seed, texts, requests)
+                outcome = run_mode(mode, url, model, args, requests, prompts)
+        except (RuntimeError, httpx.HTTPError) as e:
+            print(f"morphling bench: {mode}: {e}", file=sys.stderr)
+            return 1
         results[mode] = mode_result(*outcome, args, table)
         plot_timeline(mode, results[mode], args.slo_ttft, args.out / f"timeline_{mode}.png")
 

@@ -17,12 +17,11 @@ import asyncio
 import json
 import logging
 import sys
-from pathlib import Path
 
 from services.controller.loop import Controller
 from services.controller.policies.morph import MODES, make_policy, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
-from shared.config import ControllerConfig
+from shared.config import ControllerConfig, read_swap_order
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -45,19 +44,6 @@ async def _run_until_signalled(config: ControllerConfig) -> None:
     log.info("controller %s: stopping", config.controller_id)
     await controller.stop()
     await bus.close()
-
-
-def read_swap_order(path: str) -> tuple[int, ...]:
-    """The "order" of a `morphling profile` JSON file: layer indices, most swappable first."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the swap order from {path}: {exc}") from exc
-    order = data.get("order") if isinstance(data, dict) else None
-    if (not isinstance(order, list) or not order
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in order)):
-        raise ValueError(f"{path} has no swap order: expected {{\"order\": [layer indices]}}")
-    return tuple(order)
 
 
 def parse_setting(text: str) -> tuple[str, object]:

@@ -13,13 +13,11 @@ they do under morphing, and the baselines differ from morphing only in when the 
 
 import argparse
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from services.executor.engine.errors import EngineError, QueueFullError
 from services.executor.outbox import Outbox
@@ -27,7 +25,7 @@ from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, stop_on_signals, unsubscribe
-from shared.config import EngineConfig, ExecutorConfig, parse_size, served_model_name
+from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
                              ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages, PingArgs, QuantizeArgs,
@@ -259,9 +257,9 @@ def swap_order(engine, choice: str) -> list[int]:
         return list(range(engine.model_config.num_layers))
     if choice != "auto":
         try:
-            return [int(i) for i in json.loads(Path(choice).read_text())["order"]]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SwapError(f"cannot read a swap order from {choice}: {exc!r}") from exc
+            return list(read_swap_order(choice))
+        except ValueError as exc:
+            raise SwapError(str(exc)) from exc
     try:
         return swap_order_for(engine)
     except MissingCorpusError as exc:

@@ -68,7 +68,8 @@ def parse_morph(body) -> MorphRequest:
 def cluster_view(state: ClusterState | None) -> list[dict]:
     """The body of GET /v1/cluster's `executors`."""
     return [{"id": e.executor, "alive": e.alive, "model": e.telemetry.model, "draining": e.telemetry.draining,
-             "layers": e.telemetry.layers, "swap_order": e.telemetry.swap_order, "block_size": e.telemetry.block_size, "kv": e.telemetry.kv.model_dump(),
+             "layers": e.telemetry.layers, "swap_order": e.telemetry.swap_order,
+             "block_size": e.telemetry.block_size, "kv": e.telemetry.kv.model_dump(),
              "running": e.telemetry.running, "waiting": e.telemetry.waiting,
              "preemptions": e.telemetry.preemptions}
             for e in (state.executors if state else [])]
@@ -109,7 +110,8 @@ async def morph(dispatcher, sender: CommandSender, body) -> dict:
     """Apply one morph request; the response body, or ApiError when nothing was applied."""
     req = parse_morph(body)
     targets = _targets(dispatcher.state, req.executor)
-    args = QuantizeArgs(layers=req.layers, bits=req.bits) if req.action == "quantize" else RestoreArgs(layers=req.layers)
+    args = (QuantizeArgs(layers=req.layers, bits=req.bits) if req.action == "quantize"
+            else RestoreArgs(layers=req.layers))
     results = await asyncio.gather(*(sender.send(e, args, "by hand, through the gateway's admin API")
                                      for e in targets))
     if not any(r.ok for r in results):

@@ -29,9 +29,9 @@ def executor_state(name: str, alive: bool = True, free: int = 50) -> ExecutorSta
     kv = KvPages(pages_total=100, pages_slot=40, pages_free=free, pages_used=60 - free, pages_base=50,
                  pages_extension=10)
     t = ExecutorTelemetry(executor=name, time=time.time(), model=MODEL, max_model_len=2048, block_size=16,
-                          page_bytes=4096, kv=kv, layers=[16, 16, 8, 4], swap_order=[], running=1, waiting=2, max_waiting=8,
-                          preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0,
-                          tpot_s=0.0)
+                          page_bytes=4096, kv=kv, layers=[16, 16, 8, 4], swap_order=[], running=1, waiting=2,
+                          max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0,
+                          ttft_s=0.0, tpot_s=0.0)
     return ExecutorState(executor=name, alive=alive, last_seen=time.time(), kv_usage=0.4, queue_delay_s=0.0,
                          waiting=2.0, telemetry=t)
 

@@ -11,7 +11,8 @@ import pytest
 
 from services import up
 from services.cli import COMMANDS
-from services.controller.service import parse_setting, read_swap_order
+from services.controller.service import parse_setting
+from shared.config import read_swap_order
 from services.up import Cluster, parse_args, refused
 
 ROOT = Path(__file__).resolve().parents[2]

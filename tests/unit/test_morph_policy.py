@@ -50,8 +50,8 @@ class FakeExecutor:
         kv = KvPages(pages_total=BASE + SLOT * len(self.layers), pages_slot=SLOT * len(self.layers) - ext,
                      pages_free=cap - used, pages_used=used, pages_base=BASE, pages_extension=ext)
         t = ExecutorTelemetry(executor=self.name, time=0.0, model="m", max_model_len=64, block_size=16,
-                              page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1, waiting=waiting,
-                              max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
+                              page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1,
+                              waiting=waiting, max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
                               queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining)
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
                              queue_delay_s=delay, waiting=waiting, telemetry=t)

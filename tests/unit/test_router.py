@@ -8,9 +8,9 @@ def executor(name, free=10, waiting=0, alive=True, draining=False, model="m"):
     kv = KvPages(pages_total=100, pages_slot=50, pages_free=free, pages_used=50 - free, pages_base=40,
                  pages_extension=10)
     t = ExecutorTelemetry(executor=name, time=0.0, model=model, max_model_len=2048, block_size=16, page_bytes=1,
-                          kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting, max_waiting=8, preemptions=0,
-                          prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0,
-                          draining=draining)
+                          kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting, max_waiting=8,
+                          preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0,
+                          tpot_s=0.0, draining=draining)
     return ExecutorState(executor=name, alive=alive, last_seen=0.0, kv_usage=0.5, queue_delay_s=0.0,
                          waiting=float(waiting), telemetry=t)
 

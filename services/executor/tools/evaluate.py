@@ -32,7 +32,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk
 from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
 from services.executor.engine.morphing.variants import DEFAULT_CORPUS
-from shared.config import RESULTS_DIR, EngineConfig, parse_size
+from shared.config import RESULTS_DIR, EngineConfig, parse_size, read_swap_order
 
 DEFAULT_PROFILE = RESULTS_DIR / "lis_profile.json"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # norms and biases stay in full precision
@@ -158,7 +158,7 @@ def swap_order(order: str, num_layers: int, profile: Path | None = None, seed: i
         path = profile or DEFAULT_PROFILE
         if not path.exists():
             raise SystemExit(f"no LIS profile at {path}: run `morphling profile` first or pass --profile")
-        layers = json.loads(path.read_text())["order"]
+        layers = list(read_swap_order(str(path)))
         if sorted(layers) != list(range(num_layers)):
             raise SystemExit(f"{path} orders {len(layers)} layers, not this model's {num_layers}")
         return layers

@@ -47,9 +47,10 @@ class NatsServer:
 
 async def until_routed(bus, subject: str, timeout: float = 5.0) -> None:
     """Until a request on `subject` reaches a subscriber. A subscription another connection just made and
-    flushed can still be unknown to the server's routing for a moment (seen with nats-server 2.15: 54 of
-    300 requests sent right after the subscriber's flush got "no responders"), so a test that counts
-    deliveries waits for this first. The probe's empty body does not decode: subscribers drop it."""
+    flushed can still be unknown to the server's routing for a moment (nats-server 2.15: about 50 of 300
+    requests sent right after the subscriber's flush got "no responders"; docs/benchmarks.md), so a test
+    that counts deliveries waits for this first. The probe's empty body does not decode: subscribers
+    drop it."""
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -65,7 +65,6 @@ class EngineWorker:
         self.executor = executor
         self.model_name = model_name
         self.draining = False  # set by the service; admissions seen after it are refused
-        self.snapshot = Snapshot(engine.stats(), 0, list(engine.model.layer_bits))
         self.queue_delay = LatencyWindow(latency_window_s)
         self.ttft = LatencyWindow(latency_window_s)
         self.tpot = LatencyWindow(latency_window_s)
@@ -76,11 +75,15 @@ class EngineWorker:
         self._cancels: set[str] = set()
         self._cancels_lock = threading.Lock()
         self._tracked: dict[str, TrackedRequest] = {}
+        self.snapshot = self._take_snapshot()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{executor}-engine", daemon=True)
 
     # --- called from the asyncio side ---------------------------------------------------------
     def start(self) -> None:
+        # The engine may have changed since construction (static bits): the first heartbeat, which can
+        # go out before the thread's first iteration, must already describe it.
+        self.snapshot = self._take_snapshot()
         self._thread.start()
 
     def join(self) -> None:
@@ -122,7 +125,7 @@ class EngineWorker:
                 self._apply_ops_then_cancels(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     self._step()
-                self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
+                self.snapshot = self._take_snapshot()
             except Exception:  # the thread is the executor: it must outlive any single failure
                 log.exception("executor %s: engine loop iteration failed", self.executor)
                 time.sleep(IDLE_WAIT_S)
@@ -132,7 +135,10 @@ class EngineWorker:
             if not self.engine.has_unfinished():
                 break
             self._step()
-        self.snapshot = Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
+        self.snapshot = self._take_snapshot()
+
+    def _take_snapshot(self) -> Snapshot:
+        return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
 
     def _apply_ops_then_cancels(self, wait: float) -> None:
         # Cancels are taken before the operations are drained: a request's admission is queued before its

@@ -15,6 +15,7 @@ import sys
 import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+URL_VARIABLE = "MORPHLING_URL"  # `morphling up` prints the line that exports it
 TIMEOUT_S = 120.0  # a morph waits for the executors to apply it, which a busy CPU executor makes slow
 
 
@@ -73,8 +74,13 @@ def _default_admin_key() -> str | None:
     return keys[0] if keys else None
 
 
+def default_url() -> str:
+    return os.environ.get(URL_VARIABLE, "").strip() or DEFAULT_URL
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_URL, help="the gateway's base URL (default %(default)s)")
+    parser.add_argument("--url", default=default_url(),
+                        help=f"the gateway's base URL (default: ${URL_VARIABLE}, else {DEFAULT_URL})")
     parser.add_argument("--admin-key", default=_default_admin_key(),
                         help="admin key (default: the first of $MORPHLING_ADMIN_KEYS; none when unset)")
 

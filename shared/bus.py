@@ -5,6 +5,9 @@ forever, so a restarted nats-server is survived without restarting the service. 
 decode, has another schema version or fails validation is logged and dropped: a bad message never
 takes a service down.
 
+A lost connection is reported (`disconnected_since`, `on_outage`), so that a service can give up on
+what waits for the bus once it has been gone too long, rather than hang until it returns.
+
 Streams only keep what plain publishes put on their subjects: publishers never know whether anything
 is kept, so a server without JetStream costs the history, never the publish.
 """
@@ -13,7 +16,9 @@ import asyncio
 import logging
 import math
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -21,7 +26,8 @@ from typing import TypeVar
 import msgpack
 import nats
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, NoServersError
+from nats.errors import (ConnectionClosedError, ConnectionDrainingError, ConnectionReconnectingError,
+                         MaxPayloadError, NoRespondersError, NoServersError, OutboundBufferLimitError)
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
@@ -48,6 +54,34 @@ class BusError(Exception):
         super().__init__(f"{subject}: {problem}")
         self.subject = subject
         self.problem = problem
+
+
+class NoResponders(BusError):
+    """Nobody subscribes to the subject of a request: the server said so at once."""
+
+
+class ReplyTimeout(BusError):
+    """A request was delivered (somebody subscribes) but its answer did not come within `timeout` seconds."""
+
+    def __init__(self, subject: str, timeout: float):
+        super().__init__(subject, f"no reply within {timeout:.1f} s")
+        self.timeout = timeout
+
+
+class BusUnavailable(BusError):
+    """The connection is down (nats-py is reconnecting) or closed, and this send or request cannot wait
+    for it: the reconnect buffer is full, the connection is closed, or the caller asked not to wait."""
+
+
+class PayloadTooLarge(BusError):
+    """A message (body and headers) larger than the server's max_payload: sending it would make the server
+    close the whole connection, so it is refused here. `size` is None where only nats-py noticed."""
+
+    def __init__(self, subject: str, size: int | None, limit: int | None):
+        super().__init__(subject, f"a message of {size if size is not None else 'too many'} bytes exceeds the "
+                                  f"bus's max_payload{f' of {limit} bytes' if limit is not None else ''}")
+        self.size = size
+        self.limit = limit
 
 
 class BadMessage(Exception):
@@ -118,13 +152,39 @@ class Incoming:
     message: Message
     trace_context: otel_context.Context
     _msg: Msg
+    max_payload: int | None = None  # of the connection it came on, for the error of a reply too large
 
     @property
     def can_reply(self) -> bool:
         return bool(self._msg.reply)
 
     async def reply(self, answer: Message) -> None:
-        await self._msg.respond(encode(answer))
+        with sending(self._msg.reply, self.max_payload):
+            await self._msg.respond(encode(answer))
+
+
+@contextmanager
+def sending(subject: str, limit: int | None):
+    """nats-py's errors of a send, as BusErrors that say what a caller can do about them."""
+    try:
+        yield
+    except MaxPayloadError as exc:
+        raise PayloadTooLarge(subject, None, limit) from exc
+    except OutboundBufferLimitError as exc:
+        raise BusUnavailable(subject, "disconnected, and the buffer of sends kept for the reconnect is full") \
+            from exc
+    except ConnectionReconnectingError as exc:
+        raise BusUnavailable(subject, "the connection is reconnecting") from exc
+    except (ConnectionClosedError, ConnectionDrainingError) as exc:
+        raise BusUnavailable(subject, "the connection is closed or closing") from exc
+
+
+def header_bytes(headers: dict[str, str] | None) -> int:
+    """What `headers` add to a message on the wire (NATS/1.0 framing): the server counts them against
+    max_payload together with the body."""
+    if not headers:
+        return 0
+    return len(b"NATS/1.0\r\n\r\n") + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
 Handler = Callable[[Incoming], Awaitable[None]]
@@ -140,26 +200,40 @@ async def unsubscribe(subscription) -> None:
         log.debug("unsubscribe failed: %s", exc)
 
 
+Outage = Callable[[float], None]  # called with how long the connection has been gone, in seconds
+
+
 class Bus:
     def __init__(self, nc: nats.NATS, name: str):
         self._nc = nc
         self.name = name
+        # time.monotonic() when the connection was lost; None while connected (or closed on purpose).
+        self.disconnected_since: float | None = None
+        self._down = asyncio.Event()  # set while disconnected, for requests that give up then
+        self._outage_watchers: list[tuple[float, Outage]] = []
+        self._outage_timers: list[asyncio.TimerHandle] = []
 
     @classmethod
     async def connect(cls, url: str, name: str, first_attempt_timeout: float = 30.0) -> "Bus":
         """Connect, retrying until `first_attempt_timeout`; afterwards reconnect forever."""
         async def on_error(exc: Exception) -> None:
-            log.warning("bus %s: %s", name, exc)
+            # While reconnecting, nats-py reports every failed attempt, four a second: the disconnect, the
+            # outage and the return are what is worth a warning then.
+            reconnecting = bus is not None and bus.disconnected_since is not None and isinstance(exc, OSError)
+            log.log(logging.DEBUG if reconnecting else logging.WARNING, "bus %s: %s", name, exc)
 
-        nc: nats.NATS | None = None
+        bus: Bus | None = None
 
         async def on_disconnect() -> None:
-            # Bus.close ends in a disconnect too: only a lost connection is worth a warning.
-            if nc is None or not nc.is_closed:
+            # Bus.close ends in a disconnect too: only a lost connection is worth a warning, or an outage.
+            if bus is not None and not bus._nc.is_closed:
                 log.warning("bus %s: disconnected from %s", name, url)
+                bus._went_down()
 
         async def on_reconnect() -> None:
             log.info("bus %s: reconnected to %s", name, url)
+            if bus is not None:
+                bus._came_back()
 
         # With unlimited reconnects nats-py also retries the first connection forever: bound it here.
         try:
@@ -170,7 +244,8 @@ class Bus:
                 timeout=first_attempt_timeout)
         except (NoServersError, OSError, asyncio.TimeoutError) as exc:
             raise BusError(url, f"cannot connect within {first_attempt_timeout:.0f} s: {exc!r}") from exc
-        return cls(nc, name)
+        bus = cls(nc, name)  # from now on the callbacks above report to it
+        return bus
 
     @classmethod
     async def connect_unless(cls, stop: asyncio.Event, url: str, name: str) -> "Bus | None":
@@ -189,18 +264,75 @@ class Bus:
     def connected(self) -> bool:
         return self._nc.is_connected
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message (body and headers) the server takes, as it announced on connecting."""
+        return self._nc.max_payload
+
+    def on_outage(self, after_s: float, callback: Outage) -> None:
+        """Call `callback` once per outage, when the connection has been gone `after_s` seconds without
+        coming back: the cue to give up on whatever waits for the bus (from the next disconnect on)."""
+        self._outage_watchers.append((after_s, callback))
+
+    def _went_down(self) -> None:
+        if self.disconnected_since is not None:
+            return
+        self.disconnected_since = time.monotonic()
+        self._down.set()
+        loop = asyncio.get_running_loop()
+        self._outage_timers = [loop.call_later(after_s, self._outage, after_s, callback)
+                               for after_s, callback in self._outage_watchers]
+
+    def _outage(self, after_s: float, callback: Outage) -> None:
+        log.warning("bus %s: gone for %.1f s", self.name, after_s)
+        try:
+            callback(after_s)
+        except Exception:  # one watcher's bug must not keep the others from hearing of the outage
+            log.exception("bus %s: an outage callback failed", self.name)
+
+    def _came_back(self) -> None:
+        self._stop_outage_timers()
+        if self.disconnected_since is not None:
+            log.info("bus %s: back after %.1f s", self.name, time.monotonic() - self.disconnected_since)
+        self.disconnected_since = None
+        self._down.clear()
+
+    def _stop_outage_timers(self) -> None:
+        for timer in self._outage_timers:
+            timer.cancel()
+        self._outage_timers = []
+
+    def _outgoing(self, subject: str, message: Message, ctx: otel_context.Context | None
+                  ) -> tuple[bytes, dict[str, str] | None]:
+        data, headers = encode(message), inject_headers(ctx) or None
+        size = len(data) + header_bytes(headers)
+        if size > self.max_payload:
+            raise PayloadTooLarge(subject, size, self.max_payload)
+        return data, headers
+
     async def publish(self, subject: str, message: Message, ctx: otel_context.Context | None = None) -> None:
-        await self._nc.publish(subject, encode(message), headers=inject_headers(ctx) or None)
+        """Send `message`. While reconnecting, nats-py keeps it for the reconnect until its buffer is full;
+        then, and on a closed connection, BusUnavailable. PayloadTooLarge for a message the server would
+        refuse."""
+        data, headers = self._outgoing(subject, message, ctx)
+        with sending(subject, self.max_payload):
+            await self._nc.publish(subject, data, headers=headers)
 
     async def request(self, subject: str, message: Message, reply_model: type[R], timeout: float,
-                      ctx: otel_context.Context | None = None) -> R:
+                      ctx: otel_context.Context | None = None, give_up_on_disconnect: bool = False) -> R:
+        """Send `message` and wait for its answer: NoResponders, ReplyTimeout, PayloadTooLarge or
+        BusUnavailable when none comes. With `give_up_on_disconnect`, a connection that is down, or drops
+        before the answer, ends the wait at once (BusUnavailable) instead of the request waiting out its
+        timeout for a reconnect."""
+        data, headers = self._outgoing(subject, message, ctx)
         try:
-            msg = await self._nc.request(subject, encode(message), timeout=timeout,
-                                         headers=inject_headers(ctx) or None)
+            with sending(subject, self.max_payload):
+                call = self._nc.request(subject, data, timeout=timeout, headers=headers)
+                msg = await (self._unless_disconnected(subject, call) if give_up_on_disconnect else call)
         except NoRespondersError as exc:
-            raise BusError(subject, "no responders") from exc
+            raise NoResponders(subject, "no responders") from exc
         except NatsTimeout as exc:
-            raise BusError(subject, f"no reply within {timeout:.1f} s") from exc
+            raise ReplyTimeout(subject, timeout) from exc
         try:
             return decode(msg.data, reply_model)
         except BadMessage as exc:
@@ -225,7 +357,7 @@ class Bus:
                         log.exception("refusing a bad request on %s failed", msg.subject)
                 return
             try:
-                await handler(Incoming(msg.subject, message, extract_context(msg.headers), msg))
+                await handler(Incoming(msg.subject, message, extract_context(msg.headers), msg, self.max_payload))
             except Exception:  # a handler bug must not kill the subscription
                 log.exception("handler for %s failed", msg.subject)
 
@@ -302,12 +434,32 @@ class Bus:
             raise StreamError(name, f"cannot {action}: no answer from the JetStream API within "
                                     f"{JS_API_TIMEOUT_S:.0f} s (may this user publish on $JS.API.>?)") from exc
 
+    async def _unless_disconnected(self, subject: str, call: Awaitable[Msg]) -> Msg:
+        if self.disconnected_since is not None:
+            call.close()
+            raise BusUnavailable(subject, "not connected")
+        answer, down = asyncio.ensure_future(call), asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait({answer, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not answer.done():  # the connection dropped, or our caller was cancelled
+                answer.cancel()
+        if not answer.done():
+            raise BusUnavailable(subject, "the connection dropped before the answer came")
+        return answer.result()
+
     async def flush(self, timeout: float = 2.0) -> None:
         await self._nc.flush(timeout=timeout)
 
     async def close(self, timeout: float | None = None) -> None:
-        """Drain (deliver what is in flight, then disconnect); after `timeout` seconds just disconnect."""
+        """Drain (deliver what is in flight, then disconnect); after `timeout` seconds, or with the
+        connection down (nothing could be delivered), just disconnect."""
+        self._stop_outage_timers()  # no outage to report once closing was asked for
         if self._nc.is_closed:
+            return
+        if not self._nc.is_connected:
+            await self._nc.close()
             return
         try:
             await asyncio.wait_for(self._nc.drain(), timeout)

@@ -98,16 +98,24 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     admission_timeout_s: float = 2.0  # an executor answers admission within this
     request_timeout_s: float = 600.0  # default per-request deadline
-    retry_after_s: int = 1  # Retry-After on 429
+    retry_after_s: int = 1  # Retry-After on every 429 and 503
     drain_timeout_s: float = 30.0
+    # How long a request whose executor was lost keeps trying to move to another (or to the same one,
+    # restarted) before its stream ends with executor_lost.
+    failover_timeout_s: float = 10.0
     # MORPHLING_STREAM_BUFFER: token deltas held per request for a client that reads slower than the
     # executor generates; one more cancels the request (services/gateway/dispatch.py). A healthy client
     # reads within a few deltas, so this only ever fills for one that stopped reading.
     stream_buffer: int = 1024
+    # MORPHLING_BUS_OUTAGE_S: once the bus has been gone this long, requests in flight end (503
+    # bus_unavailable) instead of waiting for a reconnect; new ones are refused at once while it is gone.
+    bus_outage_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.stream_buffer < 1:
             raise ValueError(f"stream_buffer must be at least 1 delta, got {self.stream_buffer}")
+        if not self.bus_outage_s > 0:
+            raise ValueError(f"bus_outage_s must be more than 0 seconds, got {self.bus_outage_s}")
 
     @classmethod
     def from_env(cls, **overrides) -> "GatewayConfig":
@@ -116,6 +124,11 @@ class GatewayConfig:
             if not buffer.strip().isdigit():
                 raise ValueError(f"MORPHLING_STREAM_BUFFER must be a whole number of deltas, got {buffer!r}")
             env["stream_buffer"] = int(buffer)
+        if (outage := os.environ.get("MORPHLING_BUS_OUTAGE_S")) is not None:
+            try:
+                env["bus_outage_s"] = float(outage)
+            except ValueError:
+                raise ValueError(f"MORPHLING_BUS_OUTAGE_S must be a number of seconds, got {outage!r}") from None
         return cls(**(env | overrides))
 
 
@@ -129,12 +142,22 @@ class ExecutorConfig:
     outbox_limit: int = 4096  # sends the engine thread may have queued and unsent before it waits
     pending_admissions: int | None = None  # admissions queued for the engine thread; None: 4 x max_waiting
     flush_timeout_s: float = 5.0  # at stop, how long the sends still queued may take before they are dropped
+    # Once the bus has been gone this long, every request in flight is aborted: nobody can receive its
+    # tokens any more, and its pages are better freed for the requests that come after the reconnect.
+    bus_outage_s: float = 3.0
+    # A new request is refused (queue_full) when the wait predicted for it, from the requests ahead of it
+    # and the rate requests recently left the waiting queue, is longer than this; 0 turns the bound off.
+    max_queue_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.outbox_limit < 1:
             raise ValueError(f"outbox_limit must be at least 1 send, got {self.outbox_limit}")
         if self.admission_limit < 0:
             raise ValueError(f"pending_admissions must not be negative, got {self.admission_limit}")
+        if not self.bus_outage_s > 0:
+            raise ValueError(f"bus_outage_s must be more than 0 seconds, got {self.bus_outage_s}")
+        if not self.max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s must not be negative, got {self.max_queue_wait_s}")
 
     @property
     def admission_limit(self) -> int:
@@ -157,7 +180,16 @@ class MonitorConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     publish_interval_s: float = 0.2  # ClusterState at >= 4 Hz
     ewma_half_life_s: float = 1.0
-    dead_after_s: float = 1.0  # missed heartbeats (telemetry every ~0.1 s) before an executor is dead
+    # Silence (telemetry comes every ~0.1 s) before an executor gets no new requests, and before its
+    # requests are given up: far enough apart that a several-second stall on a busy 2-core machine is
+    # only suspect. A process that is gone is found sooner (the monitor's probe: nobody answers).
+    suspect_after_s: float = 1.0
+    dead_after_s: float = 6.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.suspect_after_s <= self.dead_after_s:
+            raise ValueError(f"need 0 < suspect_after_s <= dead_after_s, got {self.suspect_after_s} and "
+                             f"{self.dead_after_s}")
     events: EventStreamConfig = EventStreamConfig()  # kept where the NATS server runs JetStream
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Message(BaseModel):
@@ -26,6 +26,14 @@ class Part(BaseModel):
 
 
 # --- inference ------------------------------------------------------------------------------------
+class ResumedCompletion(Part):
+    """What the client already has of one of a request's n completions, when the gateway continues the
+    request on another executor: its tokens are prefilled, not generated again."""
+    index: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    text_chars: int = Field(default=0, ge=0)  # characters of its text already sent (the rest was held back)
+
+
 class GenerateRequest(Message):
     request_id: str
     gateway: str  # the gateway id: token batches go to tokens.<gateway>
@@ -35,6 +43,15 @@ class GenerateRequest(Message):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     arrival_time: float
     deadline: float | None = None  # absolute time.time(); the executor abandons the request after it
+    # Absolute time.time() after which the gateway no longer waits for the admission: an executor that
+    # reaches the request later refuses it instead of running it for nobody.
+    admit_by: float | None = None
+    # Set when a stream moves to this executor: only these completions go on (the others finished).
+    resume: list[ResumedCompletion] | None = None
+
+
+# ErrorInfo.code of an admission refused because the executor reached it after its admit_by.
+ADMISSION_EXPIRED = "admission_expired"
 
 
 class ErrorInfo(Part):
@@ -138,6 +155,7 @@ class GpuStats(Part):
 
 class ExecutorTelemetry(Message):
     executor: str
+    instance: str  # new at every process start, so that a restart is told from a stall
     time: float
     model: str
     max_model_len: int
@@ -161,7 +179,9 @@ class ExecutorTelemetry(Message):
 
 class ExecutorState(Part):
     executor: str
-    alive: bool
+    alive: bool  # False once dead: its requests are lost
+    suspect: bool = False  # silent for a while: gets no new requests, but its requests go on
+    restarts: int = 0  # times it came back as a new process
     last_seen: float
     kv_usage: float  # smoothed used / total KV pages
     queue_delay_s: float  # smoothed

@@ -7,7 +7,7 @@ import time
 
 import nats.errors
 
-from services.up import nats_binary
+from services.supervisor import nats_binary
 from shared.net import free_port
 
 

@@ -19,13 +19,15 @@ from tests.nats_server import NatsServer, free_port
 
 class System:
     def __init__(self, workdir: Path, executors: int = 1, executor_args: tuple[str, ...] = (),
-                 gateway_env: dict[str, str] | None = None, controller_args: tuple[str, ...] = ()):
+                 gateway_env: dict[str, str] | None = None, controller_args: tuple[str, ...] = (),
+                 gateway_args: tuple[str, ...] = ()):
         self.workdir = workdir
         self.nats = NatsServer()
         self.port = free_port()
         self.executor_args = executor_args
         self.controller_args = controller_args
         self.gateway_env = gateway_env or {}
+        self.gateway_args = gateway_args
         self.procs: dict[str, subprocess.Popen] = {}
         self.num_executors = executors
 
@@ -35,14 +37,14 @@ class System:
 
     def start(self, timeout: float = 240) -> "System":
         self.nats.start()
-        self.spawn("monitor", "monitor", "--nats", self.nats.url, "--dead-after", "1.0")
+        self.spawn("monitor", "monitor", "--nats", self.nats.url)
         # Morphing stays off unless a test asks for it (a later --mode wins): the tests of serving and
         # of faults expect the layers they started with.
         self.spawn("controller", "controller", "--nats", self.nats.url, "--mode", "off", *self.controller_args)
         for i in range(self.num_executors):
             self.start_executor(i)
         self.spawn("gateway", "gateway", "--nats", self.nats.url, "--host", "127.0.0.1", "--port", str(self.port),
-                   env=self.gateway_env)
+                   *self.gateway_args, env=self.gateway_env)
         self.wait_ready(timeout)
         return self
 
@@ -86,6 +88,12 @@ class System:
         proc = self.procs[name]
         proc.send_signal(sig)
         proc.wait(timeout=30)
+
+    def kill_nats(self) -> None:
+        """The bus gone at once (SIGKILL: no goodbye to its clients); `nats.start()` brings it back on the
+        same port, where the services reconnect by themselves."""
+        self.nats.proc.kill()
+        self.nats.proc.wait(timeout=10)
 
     def stop(self) -> None:
         for name in ["gateway", *[n for n in self.procs if n.startswith("exec")], "controller", "monitor"]:

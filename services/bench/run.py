@@ -104,11 +104,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def up_command(args: argparse.Namespace, mode: str, port: int, run_dir: Path) -> list[str]:
+def up_command(args: argparse.Namespace, mode: str, port: int, log_dir: Path) -> list[str]:
     controller_mode, bits = MODES[mode]
     return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", args.model,
             "--device", args.device, "--memory-budget", args.memory_budget,
-            "--mode", controller_mode or args.morph_mode, "--static-bits", str(bits), "--run-dir", str(run_dir),
+            "--mode", controller_mode or args.morph_mode, "--static-bits", str(bits), "--log-dir", str(log_dir),
             "--max-model-len", str(args.max_len), "--timeout", str(args.startup_timeout)]
 
 
@@ -159,10 +159,10 @@ def system_for(mode: str, args) -> Iterator[str]:
     if args.url:
         yield args.url.rstrip("/")
         return
-    run_dir = args.out / "logs" / mode
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"morphling bench: starting the system for {mode} (logs in {run_dir})...", file=sys.stderr)
-    system = UpProcess(up_command(args, mode, free_port(), run_dir), run_dir / "up.log")
+    log_dir = args.out / "logs" / mode
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"morphling bench: starting the system for {mode} (logs in {log_dir})...", file=sys.stderr)
+    system = UpProcess(up_command(args, mode, free_port(), log_dir), log_dir / "up.log")
     try:
         yield system.wait_ready(args.startup_timeout)
     finally:

@@ -44,7 +44,7 @@ class TrackedRequest:
     """What the service remembers about an admitted request until all its sequences have finished."""
     request_id: str
     gateway: str
-    n: int
+    indices: tuple[int, ...]  # the completions owed to the gateway: all n, or those a resume continues
     prompt_tokens: int
     model: str
     max_tokens: int | None

@@ -6,12 +6,18 @@ on the asyncio loop. The queue is bounded with backpressure on the engine: when 
 queued and unsent, `put` waits until the bus catches up, so a slow bus slows generation instead of
 growing memory, and nothing is dropped or reordered. At stop the engine thread is never made to wait
 (the bus may be what is stuck), and what is still queued gets `flush_timeout_s` to leave.
+
+While the bus is down, nats-py keeps sends for the reconnect until its buffer is full and then refuses
+them (BusError): those are dropped, the outbox goes on, and the loss is logged once per run of
+failures rather than once per message, which would flood the log for the whole outage.
 """
 
 import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
+
+from shared.bus import BusError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ class Outbox:
         self._closing = False  # set at stop: from then on the engine thread never waits for room
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publisher: asyncio.Task | None = None
+        self._lost = 0  # sends the bus refused since the last one it took
 
     def start(self) -> None:
         """Start sending (on the running loop)."""
@@ -63,8 +70,17 @@ class Outbox:
         while (send := await self._queue.get()) is not None:
             try:
                 await send()
+            except BusError as exc:
+                if not self._lost:
+                    log.warning("%s: the bus refused a send (%s); dropping sends until it takes them again",
+                                self.name, exc.problem)
+                self._lost += 1
             except Exception:  # one lost message must not hold back the ones behind it
                 log.exception("%s: sending failed", self.name)
+            else:
+                if self._lost:
+                    log.warning("%s: the bus takes sends again; %d were dropped", self.name, self._lost)
+                    self._lost = 0
             with self._room:
                 self._unsent -= 1
                 self._room.notify()

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
@@ -59,6 +60,7 @@ class ExecutorService:
         self.config = config
         self.engine = engine
         self.id = config.executor_id
+        self.instance = uuid.uuid4().hex  # tells the monitor a restart from a stall
         self.model_name = served_model_name(engine.config.model)
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
@@ -67,7 +69,8 @@ class ExecutorService:
         self._subs: list = []
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
-                                   config.admission_limit, self._outbox.put, self._publish)
+                                   config.admission_limit, self._outbox.put, self._publish,
+                                   max_queue_wait_s=config.max_queue_wait_s)
 
     @property
     def draining(self) -> bool:
@@ -76,6 +79,7 @@ class ExecutorService:
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self, bus: Bus) -> None:
         self._bus = bus
+        bus.on_outage(self.config.bus_outage_s, self._on_bus_outage)
         self._outbox.start()
         self.worker.start()
         self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer,
@@ -122,6 +126,13 @@ class ExecutorService:
 
     async def _on_cancel(self, incoming: Incoming) -> None:
         self.worker.cancel(incoming.message.request_id)
+
+    def _on_bus_outage(self, seconds: float) -> None:
+        """Nobody can receive the tokens of the requests in flight, and their gateways give up on them
+        too: abort them all, so that their pages are free for the requests that come after the reconnect."""
+        log.warning("executor %s: the bus has been gone %.1f s; aborting %d requests in flight", self.id, seconds,
+                    self.worker.snapshot.in_flight)
+        self.worker.abort_all()
 
     def _refuse_request(self, bad: BadMessage) -> Admission | None:
         """An infer request that does not decode (a range rule broken, another schema version) is
@@ -199,6 +210,8 @@ class ExecutorService:
         while True:
             try:
                 await self._bus.publish(subjects.telemetry(self.id), self.telemetry())
+            except BusError:  # down: the bus logs that once, and the next heartbeat is what counts
+                pass
             except Exception:
                 log.exception("executor %s: telemetry failed", self.id)
             await asyncio.sleep(self.config.telemetry_interval_s)
@@ -207,7 +220,8 @@ class ExecutorService:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
         stats, ledger = snap.stats, snap.stats.ledger
         return ExecutorTelemetry(
-            executor=self.id, time=snap.taken, model=self.model_name, max_model_len=engine.max_model_len,
+            executor=self.id, instance=self.instance, time=snap.taken, model=self.model_name,
+            max_model_len=engine.max_model_len,
             block_size=engine.config.block_size, page_bytes=engine.arena.page_bytes,
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
@@ -267,6 +281,20 @@ def swap_order(engine, choice: str) -> list[int]:
         return list(range(engine.model_config.num_layers))
 
 
+def _seconds(positive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 if positive else value >= 0):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {'above' if positive else 'from'} 0, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
@@ -290,6 +318,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish at shutdown (default %(default)s)")
+    p.add_argument("--bus-outage", type=_seconds(positive=True), default=ExecutorConfig.bus_outage_s, metavar="SECONDS",
+                   help="abort every request in flight once the bus has been gone this long (default %(default)s)")
+    p.add_argument("--max-queue-wait", type=_seconds(positive=False), default=ExecutorConfig.max_queue_wait_s,
+                   metavar="SECONDS",
+                   help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
+                        "(default %(default)s)")
     return p.parse_args(argv)
 
 
@@ -301,7 +335,8 @@ def main(argv: list[str]) -> int:
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_waiting=args.max_waiting, block_size=args.block_size,
                             prepare_variants=not args.lazy_variants)
-    config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config)
+    config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config,
+                            bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait)
     try:
         service = ExecutorService(config)
         # Before the worker thread starts, so the engine is still ours alone; the profile reads the

@@ -6,9 +6,9 @@ iteration. What the thread sends goes through `send`, the service's single order
 request's Admission reply is written before its first TokenBatch and each request's deltas leave in
 step order.
 
-The gateway is promised exactly n finished deltas per admitted request. The engine emits a single
-index-0 delta when a request with n > 1 is aborted or expires before it forked, so the missing
-indices are filled in here.
+The gateway is promised exactly one finished delta per completion it waits for (all n, or those a
+resumed request continues). The engine emits a single index-0 delta when a request with n > 1 is
+aborted or expires before it forked, so the missing indices are filled in here.
 
 Operations wait for the thread between two steps, each kind bounded by what holding and losing it
 costs. Admissions carry prompts and arrive as fast as gateways send them, so at most
@@ -17,6 +17,11 @@ another executor (or the client a 429). Cancels are never refused, since a lost 
 generating for a client that left; they wait as a set of request ids, so repeats collapse and the set
 holds no more than the distinct ids cancelled between two iterations. Command calls are rare and each
 is awaited by its caller, so they need no bound.
+
+A gateway that stopped waiting for an admission (its request/reply timed out) cancels it, and the
+request must then never run behind its client's back. The admission may still be queued here, or even
+arrive after the cancel: a cancel that finds nothing is remembered (a bounded number of them) and
+refuses the admission when it comes, and an admission reached after its `admit_by` is refused too.
 """
 
 import concurrent.futures
@@ -24,22 +29,27 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from services.executor.admission import Departures, admits, predicted_wait_s
 from services.executor.engine.errors import QueueFullError
 from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
 from services.executor.tokenization import render
 from services.executor.wire import token_delta
 from shared import subjects
-from shared.bus import Incoming
+from shared.bus import BusError, Incoming
 from shared.errors import InvalidRequestError
-from shared.messages import Admission, ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta
+from shared.messages import ADMISSION_EXPIRED, Admission, ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta
 from shared.telemetry import RECORD_CONTENT
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the thread waits for work when the engine has none
+# Cancels that found no request, remembered in case the admission they meant is still on its way; a
+# gateway cancels an admission only after giving up on it, within seconds, so a few thousand cover it.
+UNMATCHED_CANCEL_MEMORY = 4096
 
 Send = Callable[[Callable[[], Awaitable[None]]], None]
 
@@ -53,14 +63,22 @@ class Snapshot:
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
 
 
-def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None) -> Admission:
+def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
+              code: str | None = None) -> Admission:
     return Admission(request_id=req.request_id, executor=executor, accepted=False,
-                     error=ErrorInfo(type=kind, message=message, param=param))
+                     error=ErrorInfo(type=kind, message=message, param=param, code=code))
+
+
+def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
+    """The completions the gateway waits for from here: all n, or only those a resume continues."""
+    if req.resume:
+        return tuple(sorted(r.index for r in req.resume))
+    return tuple(range(req.sampling.n))
 
 
 class EngineWorker:
     def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, pending_admissions: int,
-                 send: Send, publish: Callable[[str, Message], Awaitable[None]]):
+                 send: Send, publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0):
         self.engine = engine
         self.executor = executor
         self.model_name = model_name
@@ -74,6 +92,9 @@ class EngineWorker:
         self._admission_slots = threading.BoundedSemaphore(pending_admissions)  # one per queued admission
         self._cancels: set[str] = set()
         self._cancels_lock = threading.Lock()
+        self._unmatched_cancels: OrderedDict[str, None] = OrderedDict()  # engine thread only
+        self.max_queue_wait_s = max_queue_wait_s
+        self._departures = Departures(latency_window_s)  # requests leaving the waiting queue
         self._tracked: dict[str, TrackedRequest] = {}
         self.snapshot = self._take_snapshot()
         self._stop = threading.Event()
@@ -141,14 +162,18 @@ class EngineWorker:
         return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
 
     def _apply_ops_then_cancels(self, wait: float) -> None:
-        # Cancels are taken before the operations are drained: a request's admission is queued before its
-        # cancel arrives, so it is applied first and the abort finds the request instead of missing it.
+        # Cancels are taken once the operations are drained, so that one whose admission was queued first
+        # finds the request before it takes a step; one that finds nothing is remembered, for an admission
+        # still on its way.
+        self._apply_ops(wait)
         with self._cancels_lock:
             cancels, self._cancels = self._cancels, set()
-        self._apply_ops(wait)
         for request_id in cancels:
             try:
-                self.engine.abort(request_id)  # False for a request already finished: nothing to do
+                if not self.engine.abort(request_id):  # finished already, or its admission not here yet
+                    self._unmatched_cancels[request_id] = None
+                    while len(self._unmatched_cancels) > UNMATCHED_CANCEL_MEMORY:
+                        self._unmatched_cancels.popitem(last=False)
             except Exception:
                 log.exception("executor %s: cancelling %s failed", self.executor, request_id)
 
@@ -175,12 +200,28 @@ class EngineWorker:
     def _try_admit(self, req: GenerateRequest, incoming: Incoming) -> Admission:
         if self.draining or self._stop.is_set():
             return rejection(self.executor, req, "unavailable", "executor is draining")
+        if req.request_id in self._unmatched_cancels:
+            del self._unmatched_cancels[req.request_id]
+            return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
+                             code="cancelled")
+        if req.admit_by is not None and (late := time.time() - req.admit_by) > 0:
+            return rejection(self.executor, req, "unavailable",
+                             f"the admission was reached {late:.2f} s after the gateway stopped waiting for it",
+                             code=ADMISSION_EXPIRED)
+        ahead = len(self.engine.scheduler.waiting)
+        departures, span_s = self._departures.recent()
+        # A request moving here mid-stream has a client already reading it: it is not refused for the wait.
+        if not req.resume and not admits(ahead, departures, span_s, self.max_queue_wait_s):
+            wait = predicted_wait_s(ahead, departures, span_s)
+            return rejection(self.executor, req, "queue_full",
+                             f"the waiting queue would hold the request about {wait:.0f} s ({ahead} requests "
+                             f"ahead), longer than the {self.max_queue_wait_s:g} s bound")
         try:
             prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
             params = req.sampling
             admitted = time.time()
             prompt_len = self.engine.add_request(req.request_id, prompt, params, deadline=req.deadline,
-                                                 arrival_time=admitted)
+                                                 arrival_time=admitted, resume=req.resume)
         except InvalidRequestError as exc:
             return rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
         except QueueFullError as exc:
@@ -189,7 +230,7 @@ class EngineWorker:
             log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
             return rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
         self._tracked[req.request_id] = TrackedRequest(
-            req.request_id, req.gateway, params.n, prompt_len, self.model_name, params.max_tokens,
+            req.request_id, req.gateway, owed_indices(req), prompt_len, self.model_name, params.max_tokens,
             params.temperature, incoming.trace_context, admitted,
             prompt_text=prompt if RECORD_CONTENT and isinstance(prompt, str) else None)
         return Admission(request_id=req.request_id, executor=self.executor, accepted=True, prompt_tokens=prompt_len)
@@ -210,6 +251,8 @@ class EngineWorker:
                 continue
             if req.first_scheduled is None:
                 req.first_scheduled = d.first_scheduled
+                if d.first_scheduled is not None:
+                    self._departures.record()
             if req.first_token is None and d.timestamps:
                 if req.first_scheduled is not None:
                     self.queue_delay.record(req.first_scheduled - req.admitted)
@@ -225,7 +268,7 @@ class EngineWorker:
                 continue
             out = by_gateway[req.gateway]
             last = next(t for t in reversed(out) if t.request_id == request_id)
-            for index in range(req.n):
+            for index in req.indices:
                 if index not in req.finish_reasons:  # cancelled or expired before the fork
                     req.finish_reasons[index] = last.finish_reason
                     out.append(last.model_copy(update={"index": index, "token_ids": [], "text": "",
@@ -236,6 +279,8 @@ class EngineWorker:
 
     def _finish(self, req: TrackedRequest, now: float) -> None:
         del self._tracked[req.request_id]
+        if req.first_scheduled is None:  # it left the waiting queue without running (aborted, expired)
+            self._departures.record()
         if req.tpot is not None:
             self.tpot.record(req.tpot)
         try:
@@ -245,14 +290,24 @@ class EngineWorker:
 
     def _publish_batch(self, gateway: str, deltas: list[TokenDelta]) -> None:
         batch = TokenBatch(executor=self.executor, deltas=deltas)
-        self._send(lambda: self._publish(subjects.tokens(gateway), batch))
+
+        async def send() -> None:
+            try:
+                await self._publish(subjects.tokens(gateway), batch)
+            except BusError:
+                # A lost batch leaves a hole in these streams: end them rather than let them go on without it.
+                for request_id in {d.request_id for d in deltas if not d.finished}:
+                    self.cancel(request_id)
+                raise
+
+        self._send(send)
 
     def _fail_all(self) -> None:
         """After a failed step: end every in-flight request with an error delta and free its pages."""
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()
         for req in list(self._tracked.values()):
-            for index in range(req.n):
+            for index in req.indices:
                 if index in req.finish_reasons:
                     continue
                 req.finish_reasons[index] = "error"

@@ -67,7 +67,8 @@ def parse_morph(body) -> MorphRequest:
 
 def cluster_view(state: ClusterState | None) -> list[dict]:
     """The body of GET /v1/cluster's `executors`."""
-    return [{"id": e.executor, "alive": e.alive, "model": e.telemetry.model, "draining": e.telemetry.draining,
+    return [{"id": e.executor, "alive": e.alive, "suspect": e.suspect, "restarts": e.restarts,
+             "model": e.telemetry.model, "draining": e.telemetry.draining,
              "layers": e.telemetry.layers, "swap_order": e.telemetry.swap_order,
              "block_size": e.telemetry.block_size, "kv": e.telemetry.kv.model_dump(),
              "running": e.telemetry.running, "waiting": e.telemetry.waiting,

@@ -36,7 +36,11 @@ log = logging.getLogger("morphling.gateway")
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/v1/cluster/morph",
               "/tokenize", "/detokenize", "/health", "/ready", "/metrics"}
 _OPEN_WHILE_DRAINING = {"/health", "/metrics"}
+_PROBES = {"/health", "/ready"}  # their 503s say how the gateway is, not that a request was turned away
 _TOKENIZER_ROUTES = {"/tokenize", "/detokenize"}  # outside /v1 as in vLLM, but they take API keys like /v1
+# Room the rest of a GenerateRequest (sampling options, ids, trace headers) needs beside the client's body
+# in one bus message: bodies are limited to the bus's max_payload less this.
+BUS_HEADROOM_BYTES = 64 << 10
 
 
 class Gateway:
@@ -51,9 +55,18 @@ class Gateway:
         self.draining = False
         self.in_flight = 0
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The body limit in force: the configured one, or less where the bus could not carry such a body
+        to an executor (NATS's default max_payload, 1 MiB, is below the default limit)."""
+        if self.bus is None:
+            return self.config.max_body_bytes
+        return max(0, min(self.config.max_body_bytes, self.bus.max_payload - BUS_HEADROOM_BYTES))
+
 
 def _error(err: ApiError, retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if err.status == 429 and retry_after is not None else None
+    """OpenAI's error body; 429s and 503s say when to retry, as clients (openai's among them) heed it."""
+    headers = {"Retry-After": str(retry_after)} if err.status in (429, 503) and retry_after is not None else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -79,7 +92,7 @@ def _guard(gw: Gateway, request: Request) -> ApiError | None:
             return ApiError(401, "Incorrect API key provided" + (" (admin routes need an admin key)" if admin else ""),
                             "invalid_request_error", None, "invalid_api_key")
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > gw.config.max_body_bytes:
+    if length and length.isdigit() and int(length) > gw.max_body_bytes:
         return too_large(gw)
     return None
 
@@ -110,8 +123,9 @@ class _Guard:
             try:
                 err = _guard(gw, Request(scope))
                 if err is not None:
-                    gw.metrics.rejected.labels(err.code or err.type).inc()
-                    await _error(err)(scope, receive, send_and_note)
+                    if path not in _PROBES:
+                        gw.metrics.rejected.labels(err.code or err.type).inc()
+                    await _error(err, gw.config.retry_after_s)(scope, receive, send_and_note)
                 else:
                     await self.app(scope, receive, send_and_note)
             finally:
@@ -156,6 +170,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gw.bus = await Bus.connect(config.nats_url, f"gateway-{config.gateway_id}")
         gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics)
         await gw.dispatcher.start()
+        gw.bus.on_outage(config.bus_outage_s, lambda _: gw.dispatcher.bus_lost())
         gw.commands = CommandSender(gw.bus, f"gateway-{config.gateway_id}", admin.COMMAND_TIMEOUT_S,
                                     admin.COMMAND_RETRIES)
         log.info("gateway %s connected to %s", config.gateway_id, config.nats_url)
@@ -173,7 +188,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, err: ApiError):
-        if err.status in (404, 413, 429, 503):
+        if err.status in (404, 413, 429, 503) and request.url.path not in _PROBES:
             gw.metrics.rejected.labels(err.code or err.type).inc()
         return _error(err, config.retry_after_s)
 
@@ -184,7 +199,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
+        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"), config.retry_after_s)
 
     @app.get("/health")
     async def health():
@@ -278,11 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
     parser.add_argument("--id", dest="gateway_id", help="gateway id on the bus (default gw0)")
+    parser.add_argument("--failover-timeout", dest="failover_timeout_s", type=float,
+                        help="seconds a request whose executor was lost tries to move to another before its "
+                             "stream ends with executor_lost (default 10)")
+    parser.add_argument("--bus-outage", dest="bus_outage_s", type=float, metavar="SECONDS",
+                        help="end the requests in flight (503 bus_unavailable) once the bus has been gone this "
+                             "long (default 3; env MORPHLING_BUS_OUTAGE_S)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("nats_url", args.nats), ("host", args.host), ("port", args.port),
-                                   ("gateway_id", args.gateway_id)) if v is not None}
+                                   ("gateway_id", args.gateway_id),
+                                   ("failover_timeout_s", args.failover_timeout_s),
+                                   ("bus_outage_s", args.bus_outage_s)) if v is not None}
     config = GatewayConfig.from_env(**overrides)
     setup_tracing("gateway")
     app = create_app(config)

@@ -25,23 +25,44 @@ from shared.messages import GenerateRequest
 log = logging.getLogger("morphling.gateway")
 
 SPAN_SCOPE_KEY = "morphling.server_span"  # set by app.py's middleware in the ASGI scope
+# Deeper bodies are refused: what reads them later (pydantic, MessagePack, the chat template) recurses and
+# fails somewhere past a few hundred levels, and no real request nests anywhere near this.
+MAX_JSON_DEPTH = 64
 
 
 async def read_json(gw, request: Request):
-    """The body as JSON, refusing more than max_body_bytes even when no Content-Length was sent."""
+    """The body as JSON, refusing more than gw.max_body_bytes even when no Content-Length was sent, and
+    more than MAX_JSON_DEPTH levels of nesting."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > gw.config.max_body_bytes:
+        if len(body) > gw.max_body_bytes:
             raise too_large(gw)
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # also covers invalid UTF-8 and too deep nesting
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # also covers invalid UTF-8 and nesting too deep for json
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error") from exc
+    if nesting_exceeds(value, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                       "invalid_request_error")
+    return value
+
+
+def nesting_exceeds(value, limit: int) -> bool:
+    """Whether JSON `value` has objects or arrays more than `limit` levels deep (the outermost is level 1);
+    without recursion, since depth is the very thing in question."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def too_large(gw) -> ApiError:
-    return ApiError(413, f"the request body exceeds {gw.config.max_body_bytes} bytes", "invalid_request_error",
+    return ApiError(413, f"the request body exceeds {gw.max_body_bytes} bytes", "invalid_request_error",
                     None, "request_too_large")
 
 

@@ -1,4 +1,4 @@
-"""The bus side of a request: admission across executors, token routing, re-dispatch and cancellation.
+"""The bus side of a request: admission across executors, token routing, failover and cancellation.
 
 Separated from app.py so the HTTP layer only turns these outcomes into responses. Every admission
 attempt uses a fresh request id: an executor whose reply timed out may still have admitted the
@@ -9,6 +9,11 @@ socket full, its stream suspended) must not make the gateway buffer without end 
 keeps generating, so a queue holds at most `stream_buffer` deltas: one more cancels the request on its
 executor, drops what was queued and ends the stream with a slow_consumer error. Ending it, rather than
 dropping only the overflow, is what keeps a stream that goes on from silently missing tokens.
+
+When the executor running a request is lost, the request moves: it is admitted on another executor
+with what the client already has of each completion (the tokens sent, how much of their text), which
+that executor prefills and goes on from, so the client sees one unbroken stream. Only when no
+executor takes it within failover_timeout_s does the stream end with executor_lost.
 """
 
 import asyncio
@@ -23,15 +28,20 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError
 from services.gateway.router import choose_executor, serving
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming
+from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
 from shared.config import GatewayConfig
-from shared.messages import Admission, Cancel, ClusterState, ErrorInfo, GenerateRequest, TokenBatch, TokenDelta
+from shared.messages import (ADMISSION_EXPIRED, Admission, Cancel, ClusterState, ErrorInfo, GenerateRequest,
+                             ResumedCompletion, TokenBatch, TokenDelta)
 
 log = logging.getLogger(__name__)
 
 # Slack past a request's deadline before the gateway gives up on an executor that went silent
 # without the monitor noticing (e.g. the monitor itself is down).
 _DEADLINE_GRACE_S = 5.0
+_FAILOVER_RETRY_S = 0.25  # between admissions of a request being moved, while no executor takes it
+# Moves of one request: a request that keeps losing its executor (or its tokens) is more likely the
+# cause than the victim, and must end rather than move for ever.
+_MAX_MOVES = 3
 
 
 class _Lost:
@@ -42,8 +52,14 @@ class _Overflowed:
     """Queued, alone, for a request whose client fell `stream_buffer` deltas behind."""
 
 
+class _BusLost:
+    """Queued for every request in flight once the bus has been gone bus_outage_s: none of their tokens
+    can arrive any more (and their executors abort them too)."""
+
+
 LOST = _Lost()
 OVERFLOWED = _Overflowed()
+BUS_LOST = _BusLost()
 
 
 @dataclass
@@ -58,15 +74,43 @@ class Ticket:
     ctx: otel_context.Context | None = None
     tried: set[str] = field(default_factory=set)
     attempt: int = 0
-    got_tokens: bool = False
+    # What the client has been handed of each completion: a failover resumes from exactly this.
+    sent_tokens: dict[int, list[int]] = field(default_factory=dict)
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    moves: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
+    def record(self, delta: TokenDelta) -> None:
+        self.sent_tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        self.sent_chars[delta.index] = self.sent_chars.get(delta.index, 0) + len(delta.text)
+        if delta.finished:
+            self.finished.add(delta.index)
+
+    def resume(self) -> list[ResumedCompletion] | None:
+        """The unfinished completions as another executor continues them; None while nothing was sent,
+        since then a fresh start is the same request."""
+        if not any(self.sent_tokens.values()):
+            return None
+        return [ResumedCompletion(index=i, token_ids=self.sent_tokens.get(i, []), text_chars=self.sent_chars.get(i, 0))
+                for i in range(self.request.sampling.n) if i not in self.finished]
+
 
 def unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, "server_error", None, code)
+
+
+def bus_unavailable(message: str = "the gateway has lost its connection to the bus; retry later") -> ApiError:
+    return unavailable(message, "bus_unavailable")
+
+
+def bus_lost_error(outage_s: float) -> ApiError:
+    """What ends a request in flight when the BUS_LOST marker reaches it."""
+    return bus_unavailable(f"the gateway lost its connection to the bus for {outage_s:g} s; the request could "
+                           "not go on")
 
 
 def slow_consumer(buffer: int) -> ApiError:
@@ -146,24 +190,39 @@ class Dispatcher:
 
     async def submit(self, request: GenerateRequest, model: str, ctx: otel_context.Context | None,
                      tried: set[str] | None = None, attempt: int = 0) -> Ticket:
-        """Admit `request` on the best executor that takes it; ApiError(429/503/400) when none does."""
+        """Admit `request` on the best executor that takes it; when none does, ApiError: 400 (invalid), 413
+        (more than the bus carries), 429 (all full, or too slow to answer: admission_timeout), 503 (nobody to
+        ask, or the bus is down: bus_unavailable)."""
+        if self.bus.disconnected_since is not None:  # an admission now could only wait out its timeout
+            raise bus_unavailable()
         base_id = request.request_id.split(".", 1)[0]
         tried = set() if tried is None else tried
-        saw_full = False
+        saw_full = saw_timeout = False
         while (executor := choose_executor(self.state, tried, model)) is not None:
             tried.add(executor)
-            attempt_req = request.model_copy(update={"request_id": f"{base_id}.{attempt}"})
+            timeout = self.config.admission_timeout_s
+            # The executor refuses what it reaches after this, so a request that timed out here never runs.
+            attempt_req = request.model_copy(update={"request_id": f"{base_id}.{attempt}",
+                                                     "admit_by": time.time() + timeout})
             attempt += 1
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[attempt_req.request_id] = queue
             try:
                 admission = await self.bus.request(subjects.infer(executor), attempt_req, Admission,
-                                                   timeout=self.config.admission_timeout_s, ctx=ctx)
+                                                   timeout=timeout, ctx=ctx, give_up_on_disconnect=True)
+            except PayloadTooLarge as exc:  # never sent, so nothing to cancel
+                self._queues.pop(attempt_req.request_id, None)
+                raise ApiError(413, f"the request is too large to pass to an executor ({exc.problem})",
+                               "invalid_request_error", None, "request_too_large") from exc
+            except BusUnavailable as exc:  # a late admission is refused by admit_by; a cancel could not go
+                self._queues.pop(attempt_req.request_id, None)
+                raise bus_unavailable() from exc
             except BusError as exc:
                 log.warning("admission on %s failed: %s", executor, exc)
                 self._queues.pop(attempt_req.request_id, None)
                 # A late admission would start work nobody reads: ask the executor to drop it.
                 self._cancel_later(executor, attempt_req.request_id)
+                saw_timeout |= isinstance(exc, ReplyTimeout)
                 continue
             if admission.accepted:
                 self._running_on[attempt_req.request_id] = executor
@@ -174,44 +233,88 @@ class Dispatcher:
             if err.type == "invalid_request_error":
                 raise ApiError(400, err.message, "invalid_request_error", err.param, err.code)
             saw_full |= err.type == "queue_full"
+            # Reached after admit_by (its answer beat our own timeout): as slow as a timeout.
+            saw_timeout |= err.code == ADMISSION_EXPIRED
             log.info("executor %s refused %s: %s (%s)", executor, attempt_req.request_id, err.type, err.message)
         if saw_full:
             raise ApiError(429, "all executors are at capacity; retry later", "rate_limit_error", None,
                            "queue_full")
+        if saw_timeout:  # alive, but too busy to answer in time: overload, not absence
+            raise ApiError(429, f"no executor answered the admission within {self.config.admission_timeout_s:g} s;"
+                                " retry later", "rate_limit_error", None, "admission_timeout")
         raise unavailable("no executor could take the request", "no_executor")
+
+    def bus_lost(self) -> None:
+        """The bus has been gone bus_outage_s: end every request in flight (their events() raise bus_lost_error)."""
+        if self._queues:
+            log.warning("the bus has been gone %.1f s: ending %d requests in flight", self.config.bus_outage_s,
+                        len(self._queues))
+        for queue in list(self._queues.values()):
+            queue.put_nowait(BUS_LOST)
 
     # --- tokens ----------------------------------------------------------------------------------
     async def events(self, ticket: Ticket) -> AsyncIterator[TokenDelta]:
-        """The request's deltas until all n completions finished; re-dispatches transparently when the
-        executor dies before the first token, raises ApiError(503) when it dies after."""
-        finished: set[int] = set()
+        """The request's deltas until all n completions finished, moving it to another executor when its
+        own is lost; raises ApiError(503) when none takes it in time."""
         n = ticket.request.sampling.n
         deadline = (ticket.request.deadline or time.time() + self.config.request_timeout_s) + _DEADLINE_GRACE_S
-        while len(finished) < n:
+        while len(ticket.finished) < n:
             try:
                 item = await asyncio.wait_for(ticket.queue.get(), max(0.0, deadline - time.time()))
             except asyncio.TimeoutError:
                 self.cancel(ticket)
                 raise ApiError(504, "the request did not finish before its deadline", "timeout", None,
                                "deadline_exceeded") from None
+            if item is BUS_LOST:
+                self.release(ticket)
+                raise bus_lost_error(self.config.bus_outage_s)
             if item is OVERFLOWED:
                 raise slow_consumer(self.config.stream_buffer)
             if item is LOST:
-                self.release(ticket)
-                if ticket.got_tokens:
-                    raise unavailable(f"executor {ticket.executor} failed while serving the request",
-                                      "executor_lost")
-                log.warning("executor %s died before the first token of %s: re-dispatching", ticket.executor,
-                            ticket.request_id)
-                fresh = await self.submit(ticket.request, ticket.model, ticket.ctx, ticket.tried, ticket.attempt)
-                ticket.request, ticket.executor, ticket.queue = fresh.request, fresh.executor, fresh.queue
-                ticket.attempt, ticket.prompt_tokens = fresh.attempt, fresh.prompt_tokens
+                await self._fail_over(ticket)
                 continue
-            ticket.got_tokens = True
-            if item.finished:
-                finished.add(item.index)
+            if item.output_tokens != len(ticket.sent_tokens.get(item.index, ())) + len(item.token_ids):
+                # A batch went missing (NATS delivers at most once, e.g. across a short outage): rather
+                # than stream on with a hole, go on from what the client has, as after a lost executor.
+                log.warning("%s: tokens of completion %d went missing on the way from %s", ticket.request_id,
+                            item.index, ticket.executor)
+                await self._fail_over(ticket)
+                continue
+            ticket.record(item)
             yield item
         self.release(ticket)
+
+    async def _fail_over(self, ticket: Ticket) -> None:
+        """Admit the rest of the request on another executor, retrying until failover_timeout_s (the others
+        may be full for a moment); the ticket then reads from there. The same executor may take it again:
+        after a restart, or after a gap when it is the best one."""
+        lost = ticket.executor
+        # If it was only stalled and wakes up, it must not go on generating what nobody reads.
+        self.cancel(ticket)
+        if ticket.moves >= _MAX_MOVES:
+            raise unavailable(f"executor {lost} failed while serving the request, which had already moved "
+                              f"{ticket.moves} times", "executor_lost")
+        ticket.moves += 1
+        request = ticket.request.model_copy(update={"resume": ticket.resume()})
+        log.warning("executor %s lost %s after %d tokens: moving it", lost, ticket.request_id,
+                    sum(map(len, ticket.sent_tokens.values())))
+        give_up = time.monotonic() + self.config.failover_timeout_s
+        while True:
+            try:
+                fresh = await self.submit(request, ticket.model, ticket.ctx, set(), ticket.attempt)
+                break
+            except ApiError as err:
+                # Each submit tries every executor at most once: ids past these stay unused.
+                ticket.attempt += 1 + len(self.state.executors if self.state else ())
+                if err.status == 400 or err.code == "bus_unavailable" or time.monotonic() >= give_up:
+                    raise unavailable(f"executor {lost} failed while serving the request and no other executor "
+                                      f"took it over within {self.config.failover_timeout_s:g} s ({err.message})",
+                                      "executor_lost") from None
+            await asyncio.sleep(_FAILOVER_RETRY_S)
+        self.metrics.failovers.inc()
+        ticket.request, ticket.executor, ticket.queue = fresh.request, fresh.executor, fresh.queue
+        ticket.attempt, ticket.tried = fresh.attempt, fresh.tried
+        log.info("%s continues on %s", ticket.request_id, ticket.executor)
 
     def release(self, ticket: Ticket) -> None:
         self._queues.pop(ticket.request_id, None)

@@ -11,6 +11,7 @@ per request here (the executor reports it as a windowed mean in telemetry).
 """
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from shared.messages import ClusterState
 
@@ -46,12 +47,17 @@ class GatewayMetrics:
         self.slow_consumers = Counter("morphling_gateway_slow_consumers",
                                       "Requests cancelled because their client did not read the stream fast enough",
                                       registry=r)
+        self.failovers = Counter("morphling_stream_failovers",
+                                 "Requests continued on another executor after theirs was lost", registry=r)
+        self._restarts: dict[str, int] = {}
+        r.register(_RestartsCollector(self._restarts))
 
     def observe_state(self, state: ClusterState) -> None:
         live = [e for e in state.executors if e.alive]
         self.running.set(sum(e.telemetry.running for e in live))
         self.waiting.set(sum(e.telemetry.waiting for e in live))
         self.kv_usage.set(sum(e.kv_usage for e in live) / len(live) if live else 0.0)
+        self._restarts.update({e.executor: e.restarts for e in state.executors})
 
     def observe_token_times(self, previous: float | None, timestamps: list[float]) -> float | None:
         """Record the gaps between consecutive token timestamps; returns the last one seen."""
@@ -63,3 +69,19 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RestartsCollector:
+    """Executor restarts as the monitor counts them: a counter whose value comes from the cluster state,
+    which a prometheus Counter (only ever incremented here) could not follow."""
+
+    def __init__(self, restarts: dict[str, int]):
+        self._restarts = restarts
+
+    def collect(self):
+        family = CounterMetricFamily("morphling_executor_restarts",
+                                     "Times an executor came back as a new process (counted by the monitor)",
+                                     labels=["executor"])
+        for executor, count in sorted(self._restarts.items()):
+            family.add_metric([executor], count)
+        yield family

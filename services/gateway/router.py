@@ -16,10 +16,12 @@ def serving(state: ClusterState | None, model: str | None = None) -> list[Execut
 
 
 def choose_executor(state: ClusterState | None, exclude: set[str], model: str) -> str | None:
-    """The live, non-draining executor serving `model` with the most free KV pages, then the shortest
-    queue; ties go to the lowest id so that the choice is deterministic. None when there is none."""
+    """The serving executor for `model` with the most free KV pages, then the shortest queue; ties go to
+    the lowest id so that the choice is deterministic. One suspect of a stall comes last: it may be
+    gone, but when it is all there is, asking it (its admission times out, or it has woken up) beats
+    refusing outright. None when there is none."""
     candidates = [e for e in serving(state, model) if e.executor not in exclude]
     if not candidates:
         return None
-    best = min(candidates, key=lambda e: (-e.telemetry.kv.pages_free, e.telemetry.waiting, e.executor))
+    best = min(candidates, key=lambda e: (e.suspect, -e.telemetry.kv.pages_free, e.telemetry.waiting, e.executor))
     return best.executor

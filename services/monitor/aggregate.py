@@ -10,7 +10,12 @@ EWMA: a sample's weight depends on how long ago the previous one came, so the ha
 seconds whatever the reporting rate, and a late report does not count as several.
 
 Liveness is judged on the monitor's clock (when telemetry arrived), not the executor's `time`
-field, so clock skew between hosts cannot make an executor look dead or alive.
+field, so clock skew between hosts cannot make an executor look dead or alive. Silence has two
+marks, because a stall (a long prefill step, a GC pause, a starved CPU) looks like a death at first:
+after `suspect_after_s` an executor gets no new requests but keeps its running ones; only after
+`dead_after_s` are they given up. A process that is really gone is told apart sooner by the caller
+(nobody answers on its subjects any more: `mark_gone`), and a process that restarted by the new
+`instance` in its telemetry, which counts a restart even when no heartbeat was missed.
 """
 
 import math
@@ -45,6 +50,8 @@ class _Executor:
     kv_usage: float
     queue_delay_s: float
     waiting: float
+    restarts: int = 0
+    gone: bool = False  # its process was found gone (mark_gone) and has not reported since
     reported: str | None = None  # the last transition handed out: None before the first "up"
     pending: list[str] = field(default_factory=list)  # transitions seen by observe, not yet handed out
 
@@ -56,28 +63,51 @@ class ClusterView:
 
     def alive(self, executor: str, now: float) -> bool:
         e = self._executors.get(executor)
-        return e is not None and now - e.last_seen <= self.config.dead_after_s
+        return e is not None and not e.gone and now - e.last_seen <= self.config.dead_after_s
+
+    def suspect(self, executor: str, now: float) -> bool:
+        """Alive, but silent for longer than suspect_after_s."""
+        e = self._executors.get(executor)
+        return self.alive(executor, now) and now - e.last_seen > self.config.suspect_after_s
+
+    def suspects(self, now: float) -> list[str]:
+        return [name for name in sorted(self._executors) if self.suspect(name, now)]
+
+    def mark_gone(self, executor: str, checked_at: float) -> None:
+        """Its process is gone (found at `checked_at`): dead now, not after dead_after_s. Telemetry that
+        arrived after the check (a restart already reporting) wins."""
+        e = self._executors.get(executor)
+        if e is not None and e.last_seen < checked_at:
+            e.gone = True
 
     def observe(self, t: ExecutorTelemetry, now: float) -> None:
         e = self._executors.get(t.executor)
         if e is None:
             self._executors[t.executor] = _Executor(t, now, kv_usage(t), t.queue_delay_s, float(t.waiting))
             return
-        if e.reported == UP and now - e.last_seen > self.config.dead_after_s:
+        restarted = t.instance != e.telemetry.instance
+        if e.reported == UP and (restarted or not self.alive(t.executor, now)):
             # It died and came back between two transitions() calls: the "down" must not be lost,
             # or the events would claim an executor that restarted had never gone away.
             e.pending.append(DOWN)
             e.reported = DOWN
-        a = ewma_alpha(now - e.last_seen, self.config.ewma_half_life_s)
-        e.kv_usage += a * (kv_usage(t) - e.kv_usage)
-        e.queue_delay_s += a * (t.queue_delay_s - e.queue_delay_s)
-        e.waiting += a * (t.waiting - e.waiting)
+        if restarted:
+            # A new process starts from nothing: its predecessor's load says nothing about it.
+            e.restarts += 1
+            e.kv_usage, e.queue_delay_s, e.waiting = kv_usage(t), t.queue_delay_s, float(t.waiting)
+        else:
+            a = ewma_alpha(now - e.last_seen, self.config.ewma_half_life_s)
+            e.kv_usage += a * (kv_usage(t) - e.kv_usage)
+            e.queue_delay_s += a * (t.queue_delay_s - e.queue_delay_s)
+            e.waiting += a * (t.waiting - e.waiting)
         e.telemetry = t
+        e.gone = False
         e.last_seen = max(e.last_seen, now)
 
     def state(self, now: float) -> ClusterState:
         return ClusterState(time=now, executors=[
-            ExecutorState(executor=name, alive=self.alive(name, now), last_seen=e.last_seen,
+            ExecutorState(executor=name, alive=self.alive(name, now), suspect=self.suspect(name, now),
+                          restarts=e.restarts, last_seen=e.last_seen,
                           kv_usage=e.kv_usage, queue_delay_s=e.queue_delay_s, waiting=e.waiting,
                           telemetry=e.telemetry)
             for name, e in sorted(self._executors.items())])

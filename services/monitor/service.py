@@ -8,22 +8,31 @@ itself lives in aggregate.py (pure); this file only wires it to the bus and the 
 It also has JetStream keep the events subject (MonitorConfig.events), since it is the one process
 every deployment runs and starts first: what the controller and the monitor decided, and why, can
 then be read back with `morphling events`.
+
+An executor that falls silent is probed with a ping on its command subject: a process that is gone
+has no subscription left, so the server answers "no responders" at once and the executor is dead
+now, its streams free to move elsewhere; a stalled one still holds its subscriptions, the ping just
+goes unanswered, and it stays merely suspect until dead_after_s.
 """
 
 import argparse
 import asyncio
 import logging
 import sys
+import itertools
 import time
+import uuid
 
 from services.monitor.aggregate import UP, ClusterView
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, StreamError, stop_on_signals, unsubscribe
+from shared.bus import Bus, BusError, Incoming, NoResponders, StreamError, stop_on_signals, unsubscribe
 from shared.config import EventStreamConfig, MonitorConfig, parse_size
-from shared.messages import Event, ExecutorTelemetry
+from shared.messages import Command, CommandResult, Event, ExecutorTelemetry, PingArgs
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 0.5  # "no responders" comes back at once; a stalled executor's silence is not waited out
 
 
 class MonitorService:
@@ -33,6 +42,11 @@ class MonitorService:
         self._bus: Bus | None = None
         self._sub = None
         self._task: asyncio.Task | None = None
+        self._probing: dict[str, asyncio.Task] = {}
+        # Executors remember (issuer, seq) to answer retries from a record: a restarted monitor must not
+        # look like a retry of its predecessor's pings.
+        self._issuer = f"monitor-{uuid.uuid4().hex[:8]}"
+        self._probe_seq = itertools.count(1)
 
     async def start(self, bus: Bus) -> None:
         self._bus = bus
@@ -53,6 +67,8 @@ class MonitorService:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for task in self._probing.values():
+            task.cancel()
 
     async def _keep_events(self, bus: Bus) -> None:
         """Create or update the events stream; without it events still go out, only nothing keeps them."""
@@ -97,6 +113,22 @@ class MonitorService:
             await self._bus.publish(subjects.EVENTS, Event(kind=kind, source="monitor", time=now,
                                                            data={"executor": executor}))
         await self._bus.publish(subjects.STATE, self.view.state(now))
+        for executor in self.view.suspects(now):
+            if executor not in self._probing:
+                task = asyncio.create_task(self._probe(executor), name=f"probe-{executor}")
+                self._probing[executor] = task
+                task.add_done_callback(lambda _, name=executor: self._probing.pop(name, None))
+
+    async def _probe(self, executor: str) -> None:
+        checked_at = time.time()
+        ping = Command.of(next(self._probe_seq), self._issuer, PingArgs())
+        try:
+            await self._bus.request(subjects.command(executor), ping, CommandResult, timeout=PROBE_TIMEOUT_S)
+        except NoResponders:
+            log.warning("executor %s is silent and nothing answers on its subjects: its process is gone", executor)
+            self.view.mark_gone(executor, checked_at)
+        except BusError:  # unanswered: stalled, or the bus itself is down; silence alone decides then
+            pass
 
 
 async def _run_until_signalled(config: MonitorConfig) -> None:
@@ -121,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats", default=defaults.nats_url, help="NATS server URL")
     parser.add_argument("--interval", type=float, default=defaults.publish_interval_s,
                         help="seconds between ClusterState publications (≤ 0.25 for the promised ≥ 4 Hz)")
+    parser.add_argument("--suspect-after", type=float, default=defaults.suspect_after_s,
+                        help="seconds without telemetry before an executor gets no new requests "
+                             "(default %(default)g)")
     parser.add_argument("--dead-after", type=float, default=defaults.dead_after_s,
-                        help="seconds without telemetry before an executor is dead")
+                        help="seconds without telemetry before an executor's requests are given up, unless its "
+                             "process is found gone sooner (default %(default)g)")
     parser.add_argument("--half-life", type=float, default=defaults.ewma_half_life_s,
                         help="EWMA half-life in seconds of KV usage, queueing delay and waiting")
     parser.add_argument("--events-max-age-days", type=float, default=defaults.events.max_age_s / 86400,
@@ -130,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events-max-bytes", type=parse_size, default=defaults.events.max_bytes,
                         help="size at which the event stream drops its oldest events, e.g. 1GiB (default 256MiB)")
     args = parser.parse_args(argv)
-    if args.interval <= 0 or args.dead_after <= 0:
-        parser.error("--interval and --dead-after must be positive")
+    if args.interval <= 0 or not 0 < args.suspect_after <= args.dead_after:
+        parser.error("--interval must be positive, and 0 < --suspect-after <= --dead-after")
     if args.events_max_age_days <= 0 or args.events_max_bytes <= 0:
         parser.error("--events-max-age-days and --events-max-bytes must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -141,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("monitor")
     events = EventStreamConfig(max_age_s=args.events_max_age_days * 86400, max_bytes=args.events_max_bytes)
     config = MonitorConfig(nats_url=args.nats, publish_interval_s=args.interval,
-                           dead_after_s=args.dead_after, ewma_half_life_s=args.half_life, events=events)
+                           suspect_after_s=args.suspect_after, dead_after_s=args.dead_after,
+                           ewma_half_life_s=args.half_life, events=events)
     try:
         asyncio.run(_run_until_signalled(config))
     except BusError as exc:

@@ -28,10 +28,10 @@ MODEL = "tiny-model"
 def executor_state(name: str, alive: bool = True, free: int = 50) -> ExecutorState:
     kv = KvPages(pages_total=100, pages_slot=40, pages_free=free, pages_used=60 - free, pages_base=50,
                  pages_extension=10)
-    t = ExecutorTelemetry(executor=name, time=time.time(), model=MODEL, max_model_len=2048, block_size=16,
-                          page_bytes=4096, kv=kv, layers=[16, 16, 8, 4], swap_order=[], running=1, waiting=2,
-                          max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0,
-                          ttft_s=0.0, tpot_s=0.0)
+    t = ExecutorTelemetry(executor=name, instance="i0", time=time.time(), model=MODEL, max_model_len=2048,
+                          block_size=16, page_bytes=4096, kv=kv, layers=[16, 16, 8, 4], swap_order=[], running=1,
+                          waiting=2, max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
+                          queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0)
     return ExecutorState(executor=name, alive=alive, last_seen=time.time(), kv_usage=0.4, queue_delay_s=0.0,
                          waiting=2.0, telemetry=t)
 
@@ -52,20 +52,25 @@ class Peers:
     def state(self, *executors: ExecutorState) -> None:
         self.run(self.bus.publish(subjects.STATE, ClusterState(time=time.time(), executors=list(executors))))
 
-    def responder(self, executor: str, admit, tokens: list[str] | None = None, finish: bool = True) -> None:
+    def responder(self, executor: str, admit, tokens: list[str] | None = None, finish: bool = True,
+                  lose: int | None = None) -> None:
         """Answer infer.<executor> with `admit(request) -> Admission`; if admitted and `tokens` is given,
-        stream them as one delta each, the last one finished with reason stop (unless not `finish`)."""
+        stream them as one delta each (continuing a resumed request's count), the last one finished with
+        reason stop (unless not `finish`). The delta at position `lose` is lost on the way."""
         async def on_infer(incoming):
             req: GenerateRequest = incoming.message
             admission = admit(req)
             await incoming.reply(admission)
             if not admission.accepted or tokens is None:
                 return
+            already = len(req.resume[0].token_ids) if req.resume else 0
             for i, text in enumerate(tokens):
                 last = finish and i == len(tokens) - 1
-                delta = TokenDelta(request_id=req.request_id, index=0, token_ids=[100 + i], text=text,
+                delta = TokenDelta(request_id=req.request_id, index=0, token_ids=[100 + already + i], text=text,
                                    timestamps=[time.time()], finished=last, finish_reason="stop" if last else None,
-                                   prompt_tokens=3, output_tokens=i + 1)
+                                   prompt_tokens=3, output_tokens=already + i + 1)
+                if i == lose:
+                    continue
                 await self.bus.publish(subjects.tokens(req.gateway), TokenBatch(executor=executor, deltas=[delta]))
                 await asyncio.sleep(0.01)
 
@@ -275,8 +280,61 @@ def test_redispatch_when_the_executor_dies_before_the_first_token(start_gateway,
     assert result["out"].choices[0].text == "ok"
 
 
-def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_gateway, test_bus):
+def test_a_stream_whose_executor_dies_goes_on_from_the_tokens_sent_on_another(start_gateway, test_bus):
     base = start_gateway()
+    resumes = []
+    test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
+                                                   prompt_tokens=3), tokens=["a", "b"], finish=False)
+
+    def takes_over(req):
+        resumes.append(req.resume)
+        return Admission(request_id=req.request_id, executor="e1", accepted=True, prompt_tokens=3)
+
+    test_bus.responder("e1", takes_over, tokens=["c"])
+    test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, stream=True)
+    texts = [next(stream).choices[0].text, next(stream).choices[0].text]
+    test_bus.state(executor_state("e0", alive=False), executor_state("e1", free=10))
+    texts += [c.choices[0].text for c in stream]
+    assert "".join(texts) == "abc"
+    (resume,) = resumes
+    assert [(r.index, r.token_ids, r.text_chars) for r in resume] == [(0, [100, 101], 2)]
+    assert "morphling_stream_failovers_total 1.0" in httpx.get(f"{base}/metrics").text
+
+
+def test_a_stream_that_lost_tokens_on_the_way_goes_on_from_what_the_client_has(start_gateway, test_bus):
+    base = start_gateway()
+
+    def fresh_only(executor):  # takes new requests, refuses to continue one
+        return lambda req: Admission(request_id=req.request_id, executor=executor, accepted=not req.resume,
+                                     prompt_tokens=3, error=ErrorInfo(type="queue_full", message="full")
+                                     if req.resume else None)
+
+    test_bus.responder("e0", fresh_only("e0"), tokens=["a", "b", "c"], lose=1)
+    test_bus.responder("e1", lambda req: Admission(request_id=req.request_id, executor="e1", accepted=True,
+                                                   prompt_tokens=3), tokens=["b", "c"])
+    test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == "abc"  # e0's "c" gave the gap away; e1 went on
+
+
+def test_a_request_that_keeps_losing_tokens_ends_after_three_moves(start_gateway, test_bus):
+    base = start_gateway()
+    test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
+                                                   prompt_tokens=3), tokens=["a", "b", "c"], lose=1)
+    test_bus.state(executor_state("e0"))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="moved 3 times"):
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=8, stream=True))
+
+
+def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_gateway, test_bus):
+    base = start_gateway(failover_timeout_s=0.5)  # no other executor: the stream ends once that passes
     test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
                                                    prompt_tokens=3), tokens=["a", "b"], finish=False)
     test_bus.state(executor_state("e0"))

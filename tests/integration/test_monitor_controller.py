@@ -53,7 +53,7 @@ def _events(events, kind: str, executor: str) -> int:
 
 
 def test_monitor_publishes_state_and_executor_up_down(nats_server):
-    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.2, dead_after_s=0.5,
+    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.2, suspect_after_s=0.3, dead_after_s=0.5,
                            ewma_half_life_s=0.5)
 
     async def scenario():
@@ -98,6 +98,44 @@ def test_monitor_publishes_state_and_executor_up_down(nats_server):
             assert down.source == "monitor" and down.data == {"executor": "e1"}
         finally:
             feeder.cancel()
+            await monitor.stop()
+            await bus.close()
+            await probe.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_executor_whose_process_is_gone_dies_at_once_a_stalled_one_only_after_dead_after(nats_server):
+    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.1, suspect_after_s=0.5, dead_after_s=4.0)
+
+    async def scenario():
+        bus = await Bus.connect(nats_server.url, "monitor")
+        probe = await Bus.connect(nats_server.url, "probe")
+        monitor = MonitorService(config)
+        await monitor.start(bus)
+        states = await _collect(probe, subjects.STATE, ClusterState)
+        pings: list[Command] = []
+
+        async def stalled(incoming):  # holds its subscriptions, answers nothing: a stopped process
+            pings.append(incoming.message)
+
+        # "stalled" keeps its command subscription; "gone" never had one, as after a SIGKILL.
+        await probe.subscribe(subjects.command("stalled"), Command, stalled)
+        await probe.flush()
+        for name in ("stalled", "gone"):
+            await probe.publish(subjects.telemetry(name), telemetry(name, time.time()))
+        try:
+            await _until(lambda: _alive(states, "stalled") and _alive(states, "gone"), timeout=3)
+            silent_since = time.monotonic()
+            took = await _until(lambda: _alive(states, "gone") is False, timeout=3)
+            # suspect_after, one tick, the probe's instant "no responders", one tick, and slack.
+            assert took < config.suspect_after_s + 1.0
+            assert _alive(states, "stalled")
+            stalled_state = next(e for e in states[-1][1].executors if e.executor == "stalled")
+            assert stalled_state.suspect and pings and pings[0].kind == "ping"
+            await _until(lambda: _alive(states, "stalled") is False, timeout=config.dead_after_s + 2)
+            assert time.monotonic() - silent_since >= config.dead_after_s - 0.2
+        finally:
             await monitor.stop()
             await bus.close()
             await probe.close()

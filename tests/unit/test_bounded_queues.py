@@ -64,6 +64,9 @@ class StubBus:
     async def flush(self) -> None:
         pass
 
+    def on_outage(self, after_s: float, callback) -> None:
+        self.outage = callback  # a test plays the outage by calling it
+
     async def publish(self, subject: str, message) -> None:
         if subject != subjects.telemetry(EXEC):
             await self.take(subject, message)

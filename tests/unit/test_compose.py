@@ -13,12 +13,13 @@ import pytest
 import yaml
 
 from services.cli import COMMANDS
-from services.up import nats_binary
+from services.supervisor import nats_binary
 from shared import subjects
 from shared.bus import Bus
 from shared.config import EventStreamConfig
 from shared.messages import Event, TokenizeReply, TokenizeRequest
 from shared.net import free_port
+from tests.nats_server import until_routed
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("MORPHLING_DATA") or ROOT.parent / "shared" / "data")
@@ -186,6 +187,7 @@ def test_the_monitor_keeps_events_and_the_operator_reads_them_under_these_permis
 
         await executor.subscribe(subjects.tokenize("exec0"), TokenizeRequest, answer)
         await executor.flush()
+        await until_routed(gateway, subjects.tokenize("exec0"))
         reply = await gateway.request(subjects.tokenize("exec0"), TokenizeRequest(prompt="hi"), TokenizeReply, 5)
         for bus in (monitor, controller, operator, gateway, executor):
             await bus.close()

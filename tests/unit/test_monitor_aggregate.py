@@ -1,4 +1,5 @@
-"""The cluster view without a bus or a clock: smoothing, liveness and up/down transitions."""
+"""The cluster view without a bus or a clock: smoothing, liveness (suspect, dead, gone), restarts and up/down
+transitions."""
 
 import math
 
@@ -11,12 +12,12 @@ from shared.messages import ExecutorTelemetry, KvPages
 
 
 def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting: int = 0,
-              queue_delay_s: float = 0.0) -> ExecutorTelemetry:
+              queue_delay_s: float = 0.0, instance: str = "i0") -> ExecutorTelemetry:
     kv = KvPages(pages_total=used + free + 40, pages_slot=40, pages_free=free, pages_used=used,
                  pages_base=used + free, pages_extension=0)
-    return ExecutorTelemetry(executor=executor, time=at, model="m", max_model_len=2048, block_size=16,
-                             page_bytes=4096, kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting,
-                             max_waiting=256, preemptions=0, prompt_tokens=0, generated_tokens=0,
+    return ExecutorTelemetry(executor=executor, instance=instance, time=at, model="m", max_model_len=2048,
+                             block_size=16, page_bytes=4096, kv=kv, layers=[16] * 4, swap_order=[], running=0,
+                             waiting=waiting, max_waiting=256, preemptions=0, prompt_tokens=0, generated_tokens=0,
                              queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0)
 
 
@@ -95,7 +96,7 @@ operations = st.lists(st.tuples(st.sampled_from(["observe", "state", "transition
 @given(operations)
 def test_liveness_and_transitions_agree_with_the_reports(ops):
     dead_after = 0.5
-    view = ClusterView(MonitorConfig(dead_after_s=dead_after, ewma_half_life_s=0.3))
+    view = ClusterView(MonitorConfig(suspect_after_s=dead_after / 2, dead_after_s=dead_after, ewma_half_life_s=0.3))
     now = 0.0
     last: dict[str, float] = {}
     emitted: dict[str, list[str]] = {}
@@ -120,3 +121,58 @@ def test_liveness_and_transitions_agree_with_the_reports(ops):
                 assert changes == ["up", "down"] * (len(changes) // 2) + ["up"] * (len(changes) % 2)
                 alive = now - seen <= dead_after
                 assert (changes[-1] == "up") == alive if changes else not alive
+
+
+def test_a_stall_is_suspect_before_it_is_dead_and_ends_as_if_nothing_happened():
+    view = ClusterView(MonitorConfig(suspect_after_s=1.0, dead_after_s=6.0))
+    view.observe(telemetry("a", 0.0), now=0.0)
+    assert view.transitions(0.0) == [("a", "up")]
+    (e,) = view.state(0.9).executors
+    assert (e.alive, e.suspect) == (True, False)
+    (e,) = view.state(3.0).executors  # a several-second stall: no new requests, the running ones go on
+    assert (e.alive, e.suspect) == (True, True)
+    assert view.suspects(3.0) == ["a"]
+    view.observe(telemetry("a", 3.5), now=3.5)  # it wakes up
+    (e,) = view.state(3.6).executors
+    assert (e.alive, e.suspect, e.restarts) == (True, False, 0)
+    assert view.transitions(3.6) == []  # never down
+    (e,) = view.state(10.0).executors
+    assert (e.alive, e.suspect) == (False, False)
+    assert view.transitions(10.0) == [("a", "down")]
+
+
+def test_a_gone_process_is_dead_at_once_unless_it_reported_after_the_check():
+    view = ClusterView(MonitorConfig(suspect_after_s=1.0, dead_after_s=6.0))
+    view.observe(telemetry("a", 0.0), now=0.0)
+    view.transitions(0.0)
+    view.mark_gone("a", checked_at=1.5)
+    assert not view.state(1.6).executors[0].alive
+    assert view.transitions(1.6) == [("a", "down")]
+    view.observe(telemetry("a", 2.0), now=2.0)  # something answers again: alive
+    assert view.state(2.1).executors[0].alive
+    view.mark_gone("a", checked_at=1.9)  # a check older than the last report changes nothing
+    assert view.state(2.1).executors[0].alive
+    view.mark_gone("nobody", checked_at=5.0)
+    assert [e.executor for e in view.state(5.0).executors] == ["a"]
+
+
+def test_a_new_instance_counts_a_restart_and_a_down_even_without_a_missed_heartbeat():
+    view = ClusterView(MonitorConfig(suspect_after_s=1.0, dead_after_s=6.0))
+    view.observe(telemetry("a", 0.0, used=90, free=10), now=0.0)
+    assert view.transitions(0.0) == [("a", "up")]
+    view.observe(telemetry("a", 0.5, used=0, free=100, instance="i1"), now=0.5)
+    (e,) = view.state(0.5).executors
+    assert e.restarts == 1
+    assert e.kv_usage == 0.0  # the new process's load, not a blend with its predecessor's
+    assert view.transitions(0.5) == [("a", "down"), ("a", "up")]
+    view.observe(telemetry("a", 0.6, instance="i1"), now=0.6)
+    assert view.state(0.6).executors[0].restarts == 1
+
+
+def test_thresholds_must_be_ordered():
+    import pytest
+
+    with pytest.raises(ValueError):
+        MonitorConfig(suspect_after_s=2.0, dead_after_s=1.0)
+    with pytest.raises(ValueError):
+        MonitorConfig(suspect_after_s=0.0)

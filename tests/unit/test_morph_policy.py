@@ -49,7 +49,7 @@ class FakeExecutor:
         ext = cap - BASE
         kv = KvPages(pages_total=BASE + SLOT * len(self.layers), pages_slot=SLOT * len(self.layers) - ext,
                      pages_free=cap - used, pages_used=used, pages_base=BASE, pages_extension=ext)
-        t = ExecutorTelemetry(executor=self.name, time=0.0, model="m", max_model_len=64, block_size=16,
+        t = ExecutorTelemetry(executor=self.name, instance="i0", time=0.0, model="m", max_model_len=64, block_size=16,
                               page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1,
                               waiting=waiting, max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
                               queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining)

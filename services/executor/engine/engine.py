@@ -25,11 +25,12 @@ from services.executor.engine.morphing.variants import VariantStore, calibration
 from services.executor.engine.runner import ModelRunner
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
-from services.executor.engine.scheduling.sampler import SamplingRow, sample
+from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
+from shared.messages import ResumedCompletion
 from shared.sampling import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,11 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingOptions,
-                    deadline: float | None = None, arrival_time: float | None = None) -> int:
-        """Admit a request; returns its prompt length. Raises InvalidRequestError or QueueFullError."""
+                    deadline: float | None = None, arrival_time: float | None = None,
+                    resume: list[ResumedCompletion] | None = None) -> int:
+        """Admit a request; returns its prompt length. Raises InvalidRequestError or QueueFullError.
+        With `resume`, the request was started elsewhere: only the completions listed go on, each from
+        the tokens it already has (prefilled with the prompt, not generated again)."""
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
         vocab = self.model_config.vocab_size
@@ -113,12 +117,46 @@ class LLMEngine:
                 f"{wanted} tokens ({len(prompt_ids)} in the prompt, {wanted - len(prompt_ids)} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
                 param="max_tokens" if params.max_tokens else "prompt")
-        seq = Sequence(request_id, 0, prompt_ids, params, arrival_time or time.time(), deadline,
-                       fork_into=params.n, generator=self._generator(params, 0))
-        self.scheduler.add(seq)
-        self._requests[request_id] = [seq]
-        self._text[seq.seq_id] = TextStream(self.tokenizer, prompt_ids, params)
+        arrival = arrival_time or time.time()
+        if resume:
+            seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r)
+                    for r in self._checked_resume(resume, prompt_ids, params)]
+        else:
+            seqs = [Sequence(request_id, 0, prompt_ids, params, arrival, deadline, fork_into=params.n,
+                             generator=self._generator(params, 0))]
+            self._text[seqs[0].seq_id] = TextStream(self.tokenizer, prompt_ids, params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._requests[request_id] = seqs
         return len(prompt_ids)
+
+    def _checked_resume(self, resume: list[ResumedCompletion], prompt_ids: list[int],
+                        params: SamplingOptions) -> list[ResumedCompletion]:
+        indices = [r.index for r in resume]
+        if len(set(indices)) != len(indices) or max(indices) >= params.n:
+            raise InvalidRequestError(f"resume must name distinct completions below n={params.n}, got {indices}",
+                                      param="resume")
+        vocab = self.model_config.vocab_size
+        for r in resume:
+            if any(not 0 <= t < vocab for t in r.token_ids):
+                raise InvalidRequestError(f"resumed token ids must be in [0, {vocab})", param="resume")
+            if len(r.token_ids) >= (params.max_tokens or self.max_model_len - len(prompt_ids)):
+                raise InvalidRequestError(f"completion {r.index} already has all its tokens", param="resume")
+        return resume
+
+    def _resumed(self, request_id: str, prompt_ids: list[int], params: SamplingOptions, arrival: float,
+                 deadline: float | None, resumed: ResumedCompletion) -> Sequence:
+        """A sequence that goes on from tokens generated elsewhere: to the scheduler it is one preempted
+        after them (their KV is recomputed), to the sampler and the text one that sampled them here."""
+        generator = self._generator(params, resumed.index)
+        if generator is not None:
+            skip_draws(generator, self.model.lm_head.shape[0], len(resumed.token_ids))
+        seq = Sequence(request_id, resumed.index, prompt_ids, params, arrival, deadline, generator=generator,
+                       output_ids=list(resumed.token_ids))
+        text = TextStream(self.tokenizer, prompt_ids, params)
+        text.resume(resumed.token_ids, resumed.text_chars)
+        self._text[seq.seq_id] = text
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its final deltas come out of the next step()."""

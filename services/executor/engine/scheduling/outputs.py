@@ -87,6 +87,14 @@ class TextStream:
         self.text = self.text[:at]
         return stop
 
+    def resume(self, token_ids: list[int], emitted_chars: int) -> None:
+        """Replay tokens another executor generated, of whose text the client already has `emitted_chars`
+        characters: the rest (held back or incomplete) comes out with the next tokens, as it would have."""
+        for token_id in token_ids:
+            self.detok.add(token_id)
+        self.text = self.detok.text
+        self.emitted = min(emitted_chars, len(self.text))
+
     def take(self, finished: bool) -> str:
         """The text not yet emitted that is safe to emit now."""
         ready = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)

@@ -171,6 +171,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return (probs / noise).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, vocab: int, steps: int) -> None:
+    """Advance `generator` past the noise of `steps` sampled tokens, drawn as _sample_random draws it: a
+    seeded request continued on another executor then samples what it would have sampled on the first."""
+    noise = torch.empty(vocab, dtype=torch.float32, device=generator.device)
+    for _ in range(steps):
+        noise.exponential_(generator=generator)
+
+
 def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask [b, V] logits outside each row's top-k, then outside its top-p nucleus.
 

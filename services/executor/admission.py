@@ -1,0 +1,53 @@
+"""Queueing with a time bound: refuse a request whose predicted wait in the queue is too long.
+
+A bounded waiting queue alone bounds memory, not time: on a slow or loaded device, the last of
+`max_waiting` requests can wait minutes for its first token, long after its client gave up. So the
+executor also predicts a new request's wait, Little's-law style, as the requests ahead of it divided
+by the rate requests recently left the waiting queue, and refuses it (queue_full, which the gateway
+turns into a 429 with Retry-After) when that is longer than `max_queue_wait_s`.
+
+The prediction is deliberately forgiving where it knows nothing: an empty queue never waits, and with
+no departure seen lately (a fresh or idle executor) the rate is unknown, so the request is admitted
+and only the queue's length bounds it.
+"""
+
+import time
+from collections import deque
+
+
+def predicted_wait_s(ahead: int, departures: int, span_s: float) -> float | None:
+    """Seconds a request joining behind `ahead` waiting requests should wait, when `departures`
+    requests left the queue over the last `span_s` seconds; None when the rate is unknown."""
+    if ahead <= 0:
+        return 0.0
+    if departures <= 0 or span_s <= 0:
+        return None
+    return ahead * span_s / departures
+
+
+def admits(ahead: int, departures: int, span_s: float, bound_s: float) -> bool:
+    """Whether a request joining behind `ahead` waiting requests stays within `bound_s` (0: no bound)."""
+    if bound_s <= 0:
+        return True
+    wait = predicted_wait_s(ahead, departures, span_s)
+    return wait is None or wait <= bound_s
+
+
+class Departures:
+    """When requests left the waiting queue, over the last `window_s` seconds (used from one thread)."""
+
+    def __init__(self, window_s: float, now: float | None = None):
+        self.window_s = window_s
+        self._started = time.monotonic() if now is None else now
+        self._times: deque[float] = deque()
+
+    def record(self, now: float | None = None) -> None:
+        self._times.append(time.monotonic() if now is None else now)
+
+    def recent(self, now: float | None = None) -> tuple[int, float]:
+        """(departures, seconds they were counted over): the window, or less on a younger executor, whose
+        short history would otherwise read as a slow rate."""
+        now = time.monotonic() if now is None else now
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+        return len(self._times), min(self.window_s, now - self._started)

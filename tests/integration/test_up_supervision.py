@@ -1,0 +1,268 @@
+"""`morphling up` as a supervisor: a child killed under load comes back by itself, and the client of
+the request it was serving hears about it instead of hanging or being handed a text with a hole.
+
+One real `morphling up` (embedded nats-server, monitor, controller, one executor with the default
+model, gateway) serves the module; each test streams a greedy chat completion through the official
+`openai` client and SIGKILLs one child in the middle of it, found by the pid file `up` keeps in its
+log directory, then checks that the system serves again before the next test:
+
+- the executor: the stream ends with an SSE error (the gateway may try another executor for only
+  1 s, and there is none); `up` restarts the executor, a new request succeeds, and the gateway's
+  /metrics counts the restart;
+- nats-server, back within the bus-outage bound (`up` restarts it after 0.5 s): the stream goes on,
+  and then it must hold the same text as an undisturbed run, or end with an error;
+- nats-server, gone longer than the bound (the test holds its port, so `up`'s restarts fail for a
+  while): the stream ends with an SSE error within the bound plus slack; `up` keeps restarting
+  nats-server until it is back on the same port, and a new request succeeds.
+"""
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.config import PROJECT_ROOT
+from shared.net import free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+READY_TIMEOUT_S = 180  # the default model loads in ~20 s on an idle 2-core machine
+RECOVER_TIMEOUT_S = 180  # a restarted executor loads the model again
+STOP_TIMEOUT_S = 60
+EXECUTOR_LOST_WITHIN_S = 30  # failover timeout 1 s plus the monitor's dead threshold, with slack
+BUS_OUTAGE_S = 2
+BUS_LOST_WITHIN_S = 15  # the bus-outage bound plus slack
+# Long enough that the outage outlasts the bound, short enough that `up`'s restarts of nats-server
+# meanwhile (after 0.5, 1 and 2 s of backoff) stay below its crash-loop limit.
+PORT_HELD_S = BUS_OUTAGE_S + 3
+MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+class Up:
+    """`morphling up` in a child process: stdout read line by line, its console (stderr) in a file."""
+
+    def __init__(self, tmp: Path, *flags: str):
+        self.log_dir = tmp / "logs"
+        self.console_path = tmp / "console.txt"
+        # Without keys the gateway takes any; the test's own environment must not switch auth on.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MORPHLING_API_KEYS", "MORPHLING_ADMIN_KEYS") and not k.startswith("OTEL_")}
+        with open(self.console_path, "wb") as console:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()),
+                 "--log-dir", str(self.log_dir), *flags],
+                cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=console,
+                text=True)
+        self.url = ""
+        self.stdout: list[str] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="up-stdout", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.stdout.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def console(self) -> str:
+        return self.console_path.read_text(errors="replace")
+
+    def logs(self) -> str:
+        """`up`'s console and the last lines of each child's log, for failure messages."""
+        tails = "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                          for path in sorted(self.log_dir.glob("*.log")))
+        return f"--- console\n{self.console()[-6000:]}\n{tails}"
+
+    def nats_url(self) -> str:
+        ready = next(line for line in self.stdout if line.startswith("morphling ready:"))
+        return ready.split(" bus ", 1)[1].split(",")[0]
+
+    def pid(self, child: str) -> int:
+        return int((self.log_dir / f"{child}.pid").read_text())
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            assert line is not None, f"`morphling up` exited with {self.proc.wait()} before ready:\n{self.logs()}"
+            if line.startswith("morphling ready:"):
+                return line.split("ready:", 1)[1].split()[0]
+        raise AssertionError(f"`morphling up` printed no ready line within {READY_TIMEOUT_S} s:\n{self.logs()}")
+
+    def wait_console(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.console():
+            assert self.proc.poll() is None, f"`morphling up` exited with {self.proc.returncode}:\n{self.logs()}"
+            assert time.monotonic() < deadline, f"`morphling up` never said {text!r}:\n{self.logs()}"
+            time.sleep(0.2)
+
+    def interrupt(self) -> int | None:
+        """Ctrl-C, then its exit status; None if it did not exit in time (it is killed then)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory) -> Up:
+    up = Up(tmp_path_factory.mktemp("up"), "--failover-timeout", "1", "--bus-outage", str(BUS_OUTAGE_S))
+    try:
+        up.url = up.wait_ready()
+        yield up
+    finally:
+        up.interrupt()
+
+
+def stream_and_kill(up: Up, child: str, max_tokens: int, after_kill=lambda: None):
+    """Streams a greedy completion and SIGKILLs `child` once text is flowing (then runs `after_kill`):
+    the error that ended the stream or None, the seconds from the kill to its end, and the text."""
+    stream = client(up.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+    text, killed_at, error = "", None, None
+    try:
+        for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+            if killed_at is None and text:
+                os.kill(up.pid(child), signal.SIGKILL)
+                killed_at = time.monotonic()
+                after_kill()
+    except openai.APIError as exc:
+        error = exc
+    assert killed_at is not None, f"the stream ended before {child} was killed: {error!r}:\n{up.logs()}"
+    return error, time.monotonic() - killed_at, text
+
+
+def assert_stream_error(error: openai.APIError | None, seconds: float, bound: float, up: Up) -> None:
+    assert error is not None, f"the stream ended normally although its {bound} s bound passed:\n{up.logs()}"
+    # A timeout or a dropped connection is also an APIError; the promise is an error event in the stream.
+    assert not isinstance(error, openai.APIConnectionError), f"no error event, the connection failed: {error!r}"
+    assert isinstance(error.body, dict) and error.body.get("message"), error.body
+    assert seconds < bound, f"the error came {seconds:.1f} s after the kill:\n{up.logs()}"
+
+
+def wait_serving(up: Up) -> None:
+    """Until /ready is 200 and the gateway sees exec0 alive."""
+    deadline = time.monotonic() + RECOVER_TIMEOUT_S
+    with httpx.Client(timeout=5) as http:
+        while time.monotonic() < deadline:
+            try:
+                executors = http.get(f"{up.url}/v1/cluster").json()["executors"]
+                if http.get(f"{up.url}/ready").status_code == 200 and any(e["id"] == "exec0" and e["alive"]
+                                                                         for e in executors):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise AssertionError(f"the system did not serve again within {RECOVER_TIMEOUT_S} s:\n{up.logs()}")
+
+
+def assert_answers(up: Up) -> None:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client(up.url).chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=question)
+    assert reply.choices[0].message.content
+
+
+def wait_log(up: Up, child: str, after: str, text: str) -> None:
+    """Until `text` is in `child`'s log after the line containing `after` (`up`'s restart marker)."""
+    deadline = time.monotonic() + RECOVER_TIMEOUT_S
+    while text not in (up.log_dir / f"{child}.log").read_text(errors="replace").rpartition(after)[2]:
+        assert time.monotonic() < deadline, f"{child} never logged {text!r} after {after!r}:\n{up.logs()}"
+        time.sleep(0.3)
+
+
+def test_the_ready_output_names_the_url_to_export_and_says_auth_is_off(up):
+    assert f"export MORPHLING_URL={up.url}\n" in up.stdout
+    assert "authentication is off" in up.console() and "MORPHLING_API_KEYS=" in up.console()
+
+
+def test_a_killed_executor_ends_its_stream_with_an_error_and_comes_back(up):
+    first_pid = up.pid("exec0")
+    error, seconds, text = stream_and_kill(up, "exec0", max_tokens=200)
+    assert_stream_error(error, seconds, EXECUTOR_LOST_WITHIN_S, up)
+    assert text  # what came before the kill stays delivered
+
+    up.wait_console("exec0 restarted (restart 1", timeout=30)
+    assert "exec0 was killed by SIGKILL; restart 1 in" in up.console()
+    assert up.pid("exec0") != first_pid
+    # The new process, not a stale view of the old one, must be what serves.
+    wait_log(up, "exec0", "restart 1:", "serving")
+    wait_serving(up)
+    assert_answers(up)
+
+    expected = 'morphling_executor_restarts_total{executor="exec0"} 1.0'
+    deadline = time.monotonic() + 10
+    while expected not in (metrics := httpx.get(f"{up.url}/metrics", timeout=5).text):
+        assert time.monotonic() < deadline, \
+            f"{expected!r} not in /metrics:\n" + "\n".join(m for m in metrics.splitlines() if "restart" in m)
+        time.sleep(0.5)
+
+
+def test_a_nats_server_back_within_the_outage_bound_loses_no_text(up):
+    undisturbed = client(up.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                                         extra_body={"ignore_eos": True}).choices[0].message.content
+    restarts = up.console().count("nats-server restarted")
+    error, _, text = stream_and_kill(up, "nats-server", max_tokens=60)
+    up.wait_console(f"nats-server restarted (restart {restarts + 1}", timeout=30)
+    if error is None:
+        assert text == undisturbed, "the stream went on after the bus came back, but text was lost on the way"
+    else:
+        assert_stream_error(error, 0.0, BUS_LOST_WITHIN_S, up)
+    wait_serving(up)
+    assert_answers(up)
+
+
+def test_a_nats_outage_beyond_the_bound_ends_streams_with_an_error_and_the_bus_comes_back(up):
+    bus_port = int(up.nats_url().rsplit(":", 1)[1])
+    holder = socket.socket()
+
+    def hold_port() -> None:
+        # Listening on nats-server's port makes each restart of it fail until the port is let go.
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 0.4  # `up` restarts it after 0.5 s
+        while True:
+            try:  # the killed server may not have let go of the port yet
+                holder.bind(("127.0.0.1", bus_port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the killed nats-server kept its port"
+                time.sleep(0.01)
+        holder.listen()
+        threading.Timer(PORT_HELD_S, holder.close).start()
+
+    try:
+        error, seconds, _ = stream_and_kill(up, "nats-server", max_tokens=200, after_kill=hold_port)
+        assert_stream_error(error, seconds, BUS_LOST_WITHIN_S, up)
+    finally:
+        holder.close()
+    up.wait_console("nats-server exited with status 1", timeout=30)
+    # Back on the same port: clients, which reconnect to the address they know, find it again.
+    wait_log(up, "nats-server", "morphling up", f"Listening for client connections on 127.0.0.1:{bus_port}")
+    wait_serving(up)
+    assert_answers(up)
+
+
+def test_up_stops_cleanly_and_keeps_the_logs(up):
+    assert up.interrupt() == 0, f"`morphling up` did not stop cleanly after Ctrl-C:\n{up.logs()}"
+    assert f"logs kept in {up.log_dir}" in up.console()
+    assert {p.name for p in up.log_dir.glob("*.log")} >= {"exec0.log", "gateway.log", "nats-server.log"}
+    assert not list(up.log_dir.glob("*.pid"))

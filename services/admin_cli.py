@@ -47,13 +47,20 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def liveness(executor: dict) -> str:
+    """yes, suspect (silent a while: no new requests), or NO (dead: its requests moved elsewhere)."""
+    if not executor["alive"]:
+        return "NO"
+    return "suspect" if executor.get("suspect") else "yes"
+
+
 def cluster_table(executors: list[dict]) -> str:
-    rows = [[e["id"], "yes" if e["alive"] else "NO", e["running"], e["waiting"], e["kv"]["pages_total"],
+    rows = [[e["id"], liveness(e), e.get("restarts", 0), e["running"], e["waiting"], e["kv"]["pages_total"],
              e["kv"]["pages_free"], e["kv"]["pages_base"], e["kv"]["pages_extension"], layer_runs(e["layers"])]
             for e in executors]
     if not rows:
         return "no executors"
-    return table(["EXECUTOR", "ALIVE", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE", "KV_EXT",
+    return table(["EXECUTOR", "ALIVE", "RESTARTS", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE", "KV_EXT",
                   "LAYER_BITS"], rows)
 
 

@@ -200,9 +200,9 @@ def test_cli_status_and_morph(system):
     status = cli("status", "--url", system.url)
     assert status.returncode == 0, status.stderr
     header, row = status.stdout.splitlines()
-    assert header.split() == ["EXECUTOR", "ALIVE", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE", "KV_EXT",
-                              "LAYER_BITS"]
-    assert row.split()[:2] == ["exec0", "yes"] and row.endswith(f"{full}x30")
+    assert header.split() == ["EXECUTOR", "ALIVE", "RESTARTS", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE",
+                              "KV_EXT", "LAYER_BITS"]
+    assert row.split()[:3] == ["exec0", "yes", "0"] and row.endswith(f"{full}x30")
 
     done = cli("morph", "--url", system.url, "--executor", "*", "--action", "quantize", "--layers", "3", "--bits", "8")
     assert done.returncode == 0, done.stderr

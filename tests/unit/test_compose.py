@@ -63,6 +63,20 @@ def test_every_command_is_a_morphling_subcommand(compose):
         assert user == command[0], name
 
 
+def test_every_service_comes_back_after_a_crash(compose):
+    assert {name: s.get("restart") for name, s in compose["services"].items()} == \
+        {name: "unless-stopped" for name in compose["services"]}
+
+
+def test_the_fault_bounds_are_settable_from_the_environment(compose):
+    commands = {name: " ".join(s.get("command", [])) for name, s in compose["services"].items()}
+    assert "--suspect-after ${MORPHLING_SUSPECT_AFTER" in commands["monitor"]
+    assert "--dead-after ${MORPHLING_DEAD_AFTER" in commands["monitor"]
+    assert "--bus-outage ${MORPHLING_BUS_OUTAGE" in commands["gateway"]
+    assert "--failover-timeout ${MORPHLING_FAILOVER_TIMEOUT" in commands["gateway"]
+    assert any("--bus-outage ${MORPHLING_BUS_OUTAGE" in c for n, c in commands.items() if n.startswith("executor"))
+
+
 def test_nats_config_has_a_user_per_service(compose, nats_conf):
     users = re.findall(r"^\s*user:\s*(\w+)", nats_conf, re.MULTILINE)
     assert set(SERVICE_USERS) <= set(users)

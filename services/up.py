@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_description, progress
-from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, served_model_name
+from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, seconds, served_model_name
 
 MORPHING_MODES = ("accuracy", "default", "performance")
 def default_log_dir() -> Path:
@@ -40,16 +40,6 @@ def default_log_dir() -> Path:
 def executor_device(device: str, index: int) -> str:
     # One executor per GPU: a bare "cuda" spreads the executors over cuda:0, cuda:1, ...
     return f"cuda:{index}" if device == "cuda" else device
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds: {text!r}")
-    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -80,14 +70,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # The flag's old name, from when the folder was removed after a clean run.
     ap.add_argument("--run-dir", dest="log_dir", type=Path, help=argparse.SUPPRESS)
     # Passed on only when given, so that each service's own default rules.
-    ap.add_argument("--suspect-after", type=_seconds, metavar="SECONDS",
+    ap.add_argument("--suspect-after", type=seconds(), metavar="SECONDS",
                     help="the monitor calls an executor suspect after this long without telemetry (its default 1.0)")
-    ap.add_argument("--dead-after", type=_seconds, metavar="SECONDS",
+    ap.add_argument("--dead-after", type=seconds(), metavar="SECONDS",
                     help="the monitor calls an executor dead after this long without telemetry (its default 6.0)")
-    ap.add_argument("--bus-outage", type=_seconds, metavar="SECONDS",
+    ap.add_argument("--bus-outage", type=seconds(), metavar="SECONDS",
                     help="how long the bus may be gone before the gateway and executors end in-flight streams "
                          "with an error (their default 3)")
-    ap.add_argument("--failover-timeout", type=_seconds, metavar="SECONDS",
+    ap.add_argument("--failover-timeout", type=seconds(), metavar="SECONDS",
                     help="how long the gateway tries to continue a stream on another executor when its executor "
                          "dies (its default 10)")
     args = ap.parse_args(argv)

@@ -1,7 +1,9 @@
 """Configuration of every Morphling process, in one place. No torch import here."""
 
+import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,21 @@ def parse_size(text: str | int) -> int:
     if number is None or unit not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: expected a number with an optional unit like 1.5GiB")
     return int(number * _UNITS[unit])
+
+
+def seconds(allow_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type for a duration flag: a number of seconds above 0 (or from 0, where 0 means off)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not (value >= 0 if allow_zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if allow_zero else 'more than 0'} seconds: "
+                                             f"{text!r}")
+        return value
+
+    return parse
 
 
 @dataclass(frozen=True)

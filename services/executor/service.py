@@ -26,7 +26,7 @@ from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, stop_on_signals, unsubscribe
-from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, served_model_name
+from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
                              ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages, PingArgs, QuantizeArgs,
@@ -281,20 +281,6 @@ def swap_order(engine, choice: str) -> list[int]:
         return list(range(engine.model_config.num_layers))
 
 
-def _seconds(positive: bool) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (value > 0 if positive else value >= 0):
-            raise argparse.ArgumentTypeError(f"expected a number of seconds {'above' if positive else 'from'} 0, "
-                                             f"got {text!r}")
-        return value
-
-    return parse
-
-
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
@@ -318,9 +304,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish at shutdown (default %(default)s)")
-    p.add_argument("--bus-outage", type=_seconds(positive=True), default=ExecutorConfig.bus_outage_s, metavar="SECONDS",
+    p.add_argument("--bus-outage", type=seconds(), default=ExecutorConfig.bus_outage_s, metavar="SECONDS",
                    help="abort every request in flight once the bus has been gone this long (default %(default)s)")
-    p.add_argument("--max-queue-wait", type=_seconds(positive=False), default=ExecutorConfig.max_queue_wait_s,
+    p.add_argument("--max-queue-wait", type=seconds(allow_zero=True), default=ExecutorConfig.max_queue_wait_s,
                    metavar="SECONDS",
                    help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
                         "(default %(default)s)")

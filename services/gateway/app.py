@@ -28,7 +28,7 @@ from services.gateway.openai_api import ApiError, ChatCompletionRequest, Complet
 from services.gateway.router import serving
 from shared.bus import Bus
 from shared.commands import CommandSender
-from shared.config import GatewayConfig
+from shared.config import GatewayConfig, seconds
 from shared.telemetry import setup_tracing, tracer
 
 log = logging.getLogger("morphling.gateway")
@@ -293,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
     parser.add_argument("--id", dest="gateway_id", help="gateway id on the bus (default gw0)")
-    parser.add_argument("--failover-timeout", dest="failover_timeout_s", type=float,
+    parser.add_argument("--failover-timeout", dest="failover_timeout_s", type=seconds(), metavar="SECONDS",
                         help="seconds a request whose executor was lost tries to move to another before its "
                              "stream ends with executor_lost (default 10)")
-    parser.add_argument("--bus-outage", dest="bus_outage_s", type=float, metavar="SECONDS",
+    parser.add_argument("--bus-outage", dest="bus_outage_s", type=seconds(), metavar="SECONDS",
                         help="end the requests in flight (503 bus_unavailable) once the bus has been gone this "
                              "long (default 3; env MORPHLING_BUS_OUTAGE_S)")
     parser.add_argument("--log-level", default="info")

@@ -17,9 +17,10 @@ executor takes it within failover_timeout_s does the stream end with executor_lo
 """
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
@@ -72,8 +73,7 @@ class Ticket:
     prompt_tokens: int
     admitted_at: float
     ctx: otel_context.Context | None = None
-    tried: set[str] = field(default_factory=set)
-    attempt: int = 0
+    attempts: Iterator[int] = field(default_factory=itertools.count)  # numbers the admission ids
     # What the client has been handed of each completion: a failover resumes from exactly this.
     sent_tokens: dict[int, list[int]] = field(default_factory=dict)
     sent_chars: dict[int, int] = field(default_factory=dict)
@@ -189,22 +189,22 @@ class Dispatcher:
                            "model_not_found")
 
     async def submit(self, request: GenerateRequest, model: str, ctx: otel_context.Context | None,
-                     tried: set[str] | None = None, attempt: int = 0) -> Ticket:
+                     attempts: Iterator[int] | None = None) -> Ticket:
         """Admit `request` on the best executor that takes it; when none does, ApiError: 400 (invalid), 413
         (more than the bus carries), 429 (all full, or too slow to answer: admission_timeout), 503 (nobody to
         ask, or the bus is down: bus_unavailable)."""
         if self.bus.disconnected_since is not None:  # an admission now could only wait out its timeout
             raise bus_unavailable()
         base_id = request.request_id.split(".", 1)[0]
-        tried = set() if tried is None else tried
+        tried: set[str] = set()
+        attempts = itertools.count() if attempts is None else attempts
         saw_full = saw_timeout = False
         while (executor := choose_executor(self.state, tried, model)) is not None:
             tried.add(executor)
             timeout = self.config.admission_timeout_s
             # The executor refuses what it reaches after this, so a request that timed out here never runs.
-            attempt_req = request.model_copy(update={"request_id": f"{base_id}.{attempt}",
+            attempt_req = request.model_copy(update={"request_id": f"{base_id}.{next(attempts)}",
                                                      "admit_by": time.time() + timeout})
-            attempt += 1
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[attempt_req.request_id] = queue
             try:
@@ -227,7 +227,7 @@ class Dispatcher:
             if admission.accepted:
                 self._running_on[attempt_req.request_id] = executor
                 return Ticket(attempt_req, model, executor, queue, admission.prompt_tokens, time.time(), ctx,
-                              tried, attempt)
+                              attempts)
             self._queues.pop(attempt_req.request_id, None)
             err = admission.error or ErrorInfo(message="refused", type="unavailable")
             if err.type == "invalid_request_error":
@@ -301,11 +301,9 @@ class Dispatcher:
         give_up = time.monotonic() + self.config.failover_timeout_s
         while True:
             try:
-                fresh = await self.submit(request, ticket.model, ticket.ctx, set(), ticket.attempt)
+                fresh = await self.submit(request, ticket.model, ticket.ctx, ticket.attempts)
                 break
             except ApiError as err:
-                # Each submit tries every executor at most once: ids past these stay unused.
-                ticket.attempt += 1 + len(self.state.executors if self.state else ())
                 if err.status == 400 or err.code == "bus_unavailable" or time.monotonic() >= give_up:
                     raise unavailable(f"executor {lost} failed while serving the request and no other executor "
                                       f"took it over within {self.config.failover_timeout_s:g} s ({err.message})",
@@ -313,7 +311,6 @@ class Dispatcher:
             await asyncio.sleep(_FAILOVER_RETRY_S)
         self.metrics.failovers.inc()
         ticket.request, ticket.executor, ticket.queue = fresh.request, fresh.executor, fresh.queue
-        ticket.attempt, ticket.tried = fresh.attempt, fresh.tried
         log.info("%s continues on %s", ticket.request_id, ticket.executor)
 
     def release(self, ticket: Ticket) -> None:

@@ -14,7 +14,7 @@ import openai
 import pytest
 import uvicorn
 
-from services.gateway.app import create_app
+from services.gateway.app import Gateway, create_app
 from shared import subjects
 from shared.bus import Bus
 from shared.config import GatewayConfig
@@ -97,29 +97,40 @@ def test_bus(nats_server):
     tb.close()
 
 
-@pytest.fixture
-def start_gateway(nats_server):
-    servers = []
+class Gateways:
+    """Gateways served in this process, each on a free port and a thread of its own, ids `<prefix>0`, ..."""
 
-    def start(**overrides) -> str:
+    def __init__(self, nats_url: str, prefix: str):
+        self.nats_url, self.prefix = nats_url, prefix
+        self.servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(self, **overrides) -> tuple[str, Gateway]:
+        """Serve one with GatewayConfig `overrides`: its URL and its Gateway object."""
         port = free_port()
-        config = GatewayConfig(nats_url=nats_server.url, host="127.0.0.1", port=port, gateway_id=f"gw{len(servers)}",
-                               admission_timeout_s=1.0)
-        config = GatewayConfig(**(config.__dict__ | overrides))
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+        config = GatewayConfig(**({"nats_url": self.nats_url, "host": "127.0.0.1", "port": port,
+                                   "gateway_id": f"{self.prefix}{len(self.servers)}"} | overrides))
+        app = create_app(config)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        servers.append((server, thread))
+        self.servers.append((server, thread))
         deadline = time.time() + 20
         while not server.started:
             assert time.time() < deadline and thread.is_alive(), "gateway did not start"
             time.sleep(0.02)
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{port}", app.state.gateway
 
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    def stop(self) -> None:
+        for server, thread in self.servers:
+            server.should_exit = True
+            thread.join(10)
+
+
+@pytest.fixture
+def start_gateway(nats_server):
+    gateways = Gateways(nats_server.url, "gw")
+    yield lambda **overrides: gateways.start(**({"admission_timeout_s": 1.0} | overrides))[0]
+    gateways.stop()
 
 
 def wait_ready(base: str) -> None:

@@ -3,20 +3,17 @@ executor (as in test_gateway_http): admissions that time out, bodies the bus can
 too deep, probes that are not requests, and the bus itself going away and coming back."""
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from services.gateway.app import BUS_HEADROOM_BYTES, create_app
+from services.gateway.app import BUS_HEADROOM_BYTES
 from shared import subjects
 from shared.config import GatewayConfig
 from shared.messages import Admission, Cancel, GenerateRequest
-from tests.integration.test_gateway_http import MODEL, Peers, assert_error, executor_state, wait_ready
-from tests.nats_server import free_port
+from tests.integration.test_gateway_http import MODEL, Gateways, Peers, assert_error, executor_state, wait_ready
 
 
 @pytest.fixture
@@ -29,27 +26,9 @@ def peers(nats_server):
 @pytest.fixture
 def gateway(nats_server):
     """Start a gateway in this process: (its URL, its Gateway object)."""
-    servers = []
-
-    def start(**overrides):
-        port = free_port()
-        config = GatewayConfig(**({"nats_url": nats_server.url, "host": "127.0.0.1", "port": port,
-                                   "gateway_id": f"gwl{len(servers)}"} | overrides))
-        app = create_app(config)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        deadline = time.time() + 20
-        while not server.started:
-            assert time.time() < deadline and thread.is_alive(), "gateway did not start"
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{port}", app.state.gateway
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(10)
+    gateways = Gateways(nats_server.url, "gwl")
+    yield gateways.start
+    gateways.stop()
 
 
 def silent_executor(peers: Peers, name: str) -> tuple[list[GenerateRequest], list[str]]:

@@ -19,21 +19,13 @@ The promises checked:
 """
 
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 import pytest
 
-from shared.config import PROJECT_ROOT
-from shared.net import free_port
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.up_process import UpProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 GATEWAY = "morphling-gateway"
@@ -57,57 +49,9 @@ def child_env(endpoint: str) -> dict[str, str]:
     return env | {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint} | EXPORT_AT_EXIT_ONLY
 
 
-class Up:
-    """`morphling up` in a child process: its URL from the `ready` line on stdout, stopped by SIGINT."""
-
-    def __init__(self, run_dir: Path, env: dict[str, str]):
-        self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "up.log", "wb") as progress:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--run-dir", str(run_dir)],
-                cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=progress,
-                text=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name="up-stdout", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def logs(self) -> str:
-        """The last lines of `morphling up`'s progress and of each child's log, for failure messages."""
-        return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
-                         for path in sorted(self.run_dir.glob("*.log")))
-
-    def wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            assert line is not None, f"`morphling up` exited with {self.proc.wait()} before ready:\n{self.logs()}"
-            if "ready:" in line:
-                return line.split("ready:", 1)[1].split()[0]
-        raise AssertionError(f"`morphling up` printed no ready line within {timeout:.0f} s:\n{self.logs()}")
-
-    def interrupt(self, timeout: float) -> int | None:
-        """Ctrl-C, then its exit status; None if it did not exit within `timeout` (it is killed then)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
-
-
 @dataclass
 class Run:
-    up: Up
+    up: UpProcess
     plain: object  # the non-streamed ChatCompletion
     stream_usage: object  # the streamed reply's usage (its last chunk)
     before_stop: list[ReceivedSpan]
@@ -120,7 +64,7 @@ class Run:
 def run(tmp_path_factory) -> Run:
     """One `morphling up`, two chat completions, a Ctrl-C; every span the processes exported."""
     with OtlpReceiver() as receiver:
-        up = Up(tmp_path_factory.mktemp("traces") / "run", child_env(receiver.endpoint))
+        up = UpProcess(tmp_path_factory.mktemp("traces"), env=child_env(receiver.endpoint))
         try:
             url = up.wait_ready(READY_TIMEOUT_S)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -17,21 +17,16 @@ log directory, then checks that the system serves again before the next test:
 """
 
 import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from shared.config import PROJECT_ROOT
-from shared.net import free_port
+from tests.up_process import UpProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 180  # the default model loads in ~20 s on an idle 2-core machine
@@ -46,94 +41,25 @@ PORT_HELD_S = BUS_OUTAGE_S + 3
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
-class Up:
-    """`morphling up` in a child process: stdout read line by line, its console (stderr) in a file."""
-
-    def __init__(self, tmp: Path, *flags: str):
-        self.log_dir = tmp / "logs"
-        self.console_path = tmp / "console.txt"
-        # Without keys the gateway takes any; the test's own environment must not switch auth on.
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MORPHLING_API_KEYS", "MORPHLING_ADMIN_KEYS") and not k.startswith("OTEL_")}
-        with open(self.console_path, "wb") as console:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()),
-                 "--log-dir", str(self.log_dir), *flags],
-                cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=console,
-                text=True)
-        self.url = ""
-        self.stdout: list[str] = []
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name="up-stdout", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.stdout.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def console(self) -> str:
-        return self.console_path.read_text(errors="replace")
-
-    def logs(self) -> str:
-        """`up`'s console and the last lines of each child's log, for failure messages."""
-        tails = "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
-                          for path in sorted(self.log_dir.glob("*.log")))
-        return f"--- console\n{self.console()[-6000:]}\n{tails}"
-
-    def nats_url(self) -> str:
-        ready = next(line for line in self.stdout if line.startswith("morphling ready:"))
-        return ready.split(" bus ", 1)[1].split(",")[0]
-
-    def pid(self, child: str) -> int:
-        return int((self.log_dir / f"{child}.pid").read_text())
-
-    def wait_ready(self) -> str:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            assert line is not None, f"`morphling up` exited with {self.proc.wait()} before ready:\n{self.logs()}"
-            if line.startswith("morphling ready:"):
-                return line.split("ready:", 1)[1].split()[0]
-        raise AssertionError(f"`morphling up` printed no ready line within {READY_TIMEOUT_S} s:\n{self.logs()}")
-
-    def wait_console(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.console():
-            assert self.proc.poll() is None, f"`morphling up` exited with {self.proc.returncode}:\n{self.logs()}"
-            assert time.monotonic() < deadline, f"`morphling up` never said {text!r}:\n{self.logs()}"
-            time.sleep(0.2)
-
-    def interrupt(self) -> int | None:
-        """Ctrl-C, then its exit status; None if it did not exit in time (it is killed then)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
-
-
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory) -> Up:
-    up = Up(tmp_path_factory.mktemp("up"), "--failover-timeout", "1", "--bus-outage", str(BUS_OUTAGE_S))
+def up(tmp_path_factory) -> UpProcess:
+    # Without keys the gateway takes any; the test's own environment must not switch auth on.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MORPHLING_API_KEYS", "MORPHLING_ADMIN_KEYS") and not k.startswith("OTEL_")}
+    up = UpProcess(tmp_path_factory.mktemp("up"), "--failover-timeout", "1", "--bus-outage", str(BUS_OUTAGE_S),
+                   env=env)
     try:
-        up.url = up.wait_ready()
+        up.wait_ready(READY_TIMEOUT_S)
         yield up
     finally:
-        up.interrupt()
+        up.interrupt(STOP_TIMEOUT_S)
 
 
-def stream_and_kill(up: Up, child: str, max_tokens: int, after_kill=lambda: None):
+def stream_and_kill(up: UpProcess, child: str, max_tokens: int, after_kill=lambda: None):
     """Streams a greedy completion and SIGKILLs `child` once text is flowing (then runs `after_kill`):
     the error that ended the stream or None, the seconds from the kill to its end, and the text."""
     stream = client(up.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
@@ -152,7 +78,7 @@ def stream_and_kill(up: Up, child: str, max_tokens: int, after_kill=lambda: None
     return error, time.monotonic() - killed_at, text
 
 
-def assert_stream_error(error: openai.APIError | None, seconds: float, bound: float, up: Up) -> None:
+def assert_stream_error(error: openai.APIError | None, seconds: float, bound: float, up: UpProcess) -> None:
     assert error is not None, f"the stream ended normally although its {bound} s bound passed:\n{up.logs()}"
     # A timeout or a dropped connection is also an APIError; the promise is an error event in the stream.
     assert not isinstance(error, openai.APIConnectionError), f"no error event, the connection failed: {error!r}"
@@ -160,7 +86,7 @@ def assert_stream_error(error: openai.APIError | None, seconds: float, bound: fl
     assert seconds < bound, f"the error came {seconds:.1f} s after the kill:\n{up.logs()}"
 
 
-def wait_serving(up: Up) -> None:
+def wait_serving(up: UpProcess) -> None:
     """Until /ready is 200 and the gateway sees exec0 alive."""
     deadline = time.monotonic() + RECOVER_TIMEOUT_S
     with httpx.Client(timeout=5) as http:
@@ -176,13 +102,13 @@ def wait_serving(up: Up) -> None:
     raise AssertionError(f"the system did not serve again within {RECOVER_TIMEOUT_S} s:\n{up.logs()}")
 
 
-def assert_answers(up: Up) -> None:
+def assert_answers(up: UpProcess) -> None:
     question = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client(up.url).chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=question)
     assert reply.choices[0].message.content
 
 
-def wait_log(up: Up, child: str, after: str, text: str) -> None:
+def wait_log(up: UpProcess, child: str, after: str, text: str) -> None:
     """Until `text` is in `child`'s log after the line containing `after` (`up`'s restart marker)."""
     deadline = time.monotonic() + RECOVER_TIMEOUT_S
     while text not in (up.log_dir / f"{child}.log").read_text(errors="replace").rpartition(after)[2]:
@@ -262,7 +188,7 @@ def test_a_nats_outage_beyond_the_bound_ends_streams_with_an_error_and_the_bus_c
 
 
 def test_up_stops_cleanly_and_keeps_the_logs(up):
-    assert up.interrupt() == 0, f"`morphling up` did not stop cleanly after Ctrl-C:\n{up.logs()}"
+    assert up.interrupt(STOP_TIMEOUT_S) == 0, f"`morphling up` did not stop cleanly after Ctrl-C:\n{up.logs()}"
     assert f"logs kept in {up.log_dir}" in up.console()
     assert {p.name for p in up.log_dir.glob("*.log")} >= {"exec0.log", "gateway.log", "nats-server.log"}
     assert not list(up.log_dir.glob("*.pid"))

@@ -7,6 +7,7 @@ import pytest
 
 from shared.bus import Bus, BusError, encode
 from shared.messages import SCHEMA_VERSION, Cancel, Command, CommandResult
+from tests.nats_server import until_routed
 
 
 def test_publish_subscribe_request_reply_and_bad_messages(nats_server):
@@ -25,6 +26,7 @@ def test_publish_subscribe_request_reply_and_bad_messages(nats_server):
         await b.subscribe("t.cancel", Cancel, on_cancel)
         await b.subscribe("t.cmd", Command, on_command)
         await b.flush()
+        await until_routed(a, "t.cmd")  # t.cancel, subscribed before it on the same connection, is routed too
         raw = a._nc
         await raw.publish("t.cancel", b"\xc1 not msgpack")
         await raw.publish("t.cancel", msgpack.packb({"v": 99, "request_id": "old"}))

@@ -9,6 +9,7 @@ import pytest
 
 from shared.bus import Bus, BusUnavailable, PayloadTooLarge
 from shared.messages import Cancel, Event
+from tests.nats_server import until_routed
 
 SUBJECT = "morphling.test.outage"
 
@@ -46,6 +47,7 @@ def test_a_request_gives_up_when_the_connection_drops_and_while_it_is_down(nats_
         listener = await Bus.connect(nats_server.url, "silent")
         await listener.subscribe(SUBJECT, Cancel, lambda incoming: asyncio.sleep(0))  # hears, never answers
         await listener.flush()
+        await until_routed(bus, SUBJECT)
 
         waiting = asyncio.create_task(bus.request(SUBJECT, Cancel(request_id="r"), Cancel, timeout=30,
                                                   give_up_on_disconnect=True))

@@ -6,6 +6,11 @@ audited exactly like the controller's.
 
 Layer bits are printed run-length encoded in layer order, `BITSxCOUNT` per run: `8x4 32x26` means
 layers 0-3 hold 8-bit weights and layers 4-29 full precision (32 on CPU, 16 on GPUs).
+
+Instances of several executors (DESIGN.md, "Instances across executors") add the executors' INSTANCE and ROLE
+columns and a table of the instances below theirs, its LAYERS column as runs of layers per placement,
+`0-9 exec0 | 10-29 exec0+exec1` (a `+` joins the TP shards or replicas of a layer). A cluster of standalone
+executors prints as it did before instances existed, so that what reads the output keeps reading it.
 """
 
 import argparse
@@ -55,13 +60,39 @@ def liveness(executor: dict) -> str:
 
 
 def cluster_table(executors: list[dict]) -> str:
+    # The instance columns go just before LAYER_BITS, so that the other columns keep their places and it stays last.
+    grouped = any(e.get("role") == "follower" for e in executors)
     rows = [[e["id"], liveness(e), e.get("restarts", 0), e["running"], e["waiting"], e["kv"]["pages_total"],
-             e["kv"]["pages_free"], e["kv"]["pages_base"], e["kv"]["pages_extension"], layer_runs(e["layers"])]
+             e["kv"]["pages_free"], e["kv"]["pages_base"], e["kv"]["pages_extension"],
+             *([e.get("instance") or "-", e.get("role", "leader")] if grouped else []), layer_runs(e["layers"])]
             for e in executors]
     if not rows:
         return "no executors"
     return table(["EXECUTOR", "ALIVE", "RESTARTS", "RUNNING", "WAITING", "KV_TOTAL", "KV_FREE", "KV_BASE", "KV_EXT",
-                  "LAYER_BITS"], rows)
+                  *(["INSTANCE", "ROLE"] if grouped else []), "LAYER_BITS"], rows)
+
+
+def placement_runs(layers: list[dict]) -> str:
+    """Runs of consecutive layers computed by the same executors, e.g. "0-9 exec0 | 10-29 exec0+exec1"."""
+    runs: list[list] = []
+    for index, layer in enumerate(layers):
+        where = "+".join(layer["placement"])
+        if runs and runs[-1][2] == where:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, where])
+    return " | ".join(f"{a if a == b else f'{a}-{b}'} {where}" for a, b, where in runs) or "-"
+
+
+def instances_table(instances: list[dict]) -> str | None:
+    """The instances of several executors; None when every executor serves alone (nothing to add to the
+    executors' table)."""
+    if not any(len(i["members"]) > 1 for i in instances):
+        return None
+    rows = [[i["id"], i["leader"], ",".join(i["members"]), i.get("tp", 1),
+             layer_runs([layer.get("bits", 16) for layer in i["layers"]]), placement_runs(i["layers"])]
+            for i in instances]
+    return table(["INSTANCE", "LEADER", "MEMBERS", "TP", "PLAN_BITS", "LAYERS"], rows)
 
 
 def results_table(results: list[dict]) -> str:
@@ -121,13 +152,18 @@ def _report_error(prog: str, status: int, body: dict) -> None:
 def status_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="morphling status", description="print the cluster as a gateway sees it",
                                      epilog="LAYER_BITS: runs in layer order, BITSxCOUNT (8x4 32x26: layers "
-                                            "0-3 at 8 bits, 4-29 at full precision)")
+                                            "0-3 at 8 bits, 4-29 at full precision); LAYERS of an instance: "
+                                            "runs of layers per placement (0-9 exec0 | 10-29 exec0+exec1)")
     _common(parser)
     args = parser.parse_args(argv)
     body = _call(parser.prog, "GET", f"{args.url.rstrip('/')}/v1/cluster", args.admin_key)
     if body is None:
         return 1
     print(cluster_table(body["executors"]))
+    instances = instances_table(body.get("instances", []))
+    if instances is not None:
+        print()
+        print(instances)
     return 0
 
 

@@ -3,6 +3,8 @@
 Children run in process groups of their own and write to log files (a pipe nobody reads would block
 a child's logging). Whether and when a dead child comes back is `decide`, a pure function of that
 child's runs, so that the policy is tested with plain numbers and the process handling stays thin.
+A child may come back with other arguments than it first ran with (`Child.restart_cmd`): an executor
+that was a member of a torch.distributed world cannot rejoin it, so it restarts outside of it.
 """
 
 import ctypes
@@ -34,6 +36,11 @@ RESTART_MAX_DELAY_S = 10.0
 RESTART_RESET_AFTER_S = 60.0
 CRASH_LOOP_RESTARTS = 5
 CRASH_LOOP_WINDOW_S = 120.0
+
+# The executors read their world from these when no flag gives it. `up` gives it on the first run's command
+# line only; one inherited from up's own environment would put a lone executor, or a restarted one, into
+# a world that is not there.
+WORLD_ENV = ("MORPHLING_DIST_URL", "MORPHLING_RANK", "MORPHLING_WORLD_SIZE", "MORPHLING_TP", "MORPHLING_PLAN")
 
 RESTART, WAIT, GIVE_UP = "restart", "wait", "give up"
 STARTUP_FAILURE, CRASH_LOOP = "start-up failure", "crash loop"
@@ -129,6 +136,7 @@ class Child:
     cmd: list[str]
     env: dict[str, str] | None
     runs: list[tuple[float, float | None]]  # (started, exited) on the monotonic clock, one per process
+    restart_cmd: list[str] | None = None  # what its restarts run; None: the first run's cmd again
 
     @property
     def restarts(self) -> int:
@@ -157,6 +165,8 @@ class Cluster:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     children: list[Child] = field(default_factory=list)
     hurry: Flag = field(default_factory=Flag)  # a second signal: kill now
+    # By child name: the service arguments its restarts run with, where they differ from its first run's.
+    restart_args: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir)
@@ -178,25 +188,31 @@ class Cluster:
         (self.log_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
         return proc
 
-    def spawn(self, name: str, role: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
+    def spawn(self, name: str, role: str, cmd: list[str], env: dict[str, str] | None = None,
+              restart_cmd: list[str] | None = None) -> Child:
         child = Child(name, role, self._popen(name, cmd, env), self.log_dir / f"{name}.log", list(cmd), env,
-                      [(time.monotonic(), None)])
+                      [(time.monotonic(), None)], None if restart_cmd is None else list(restart_cmd))
         self.children.append(child)
         return child
 
     def respawn(self, child: Child, note: str) -> None:
-        """The same command line again, its output appended to the same log after `note`."""
+        """The restart command line (the first run's unless the child has its own), its output appended to
+        the same log after `note`."""
         with open(child.log_path, "a") as log:
             log.write(f"--- morphling up {time.strftime('%Y-%m-%d %H:%M:%S')}: {note} ---\n")
-        child.proc = self._popen(child.name, child.cmd, child.env)
+        child.proc = self._popen(child.name, child.cmd if child.restart_cmd is None else child.restart_cmd, child.env)
         child.runs.append((time.monotonic(), None))
 
     def start_service(self, role: str, args: list[str], name: str | None = None) -> Child:
-        env = dict(os.environ)
+        """`morphling ROLE ARGS` as child `name`; it restarts with `restart_args[name]` where that is set."""
+        name = name or role
+        env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
         # Unbuffered, so that a crashing child's last lines are in its log, not lost in a buffer.
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        return self.spawn(name or role, role, [sys.executable, "-m", "services.cli", role, *args], env)
+        command = [sys.executable, "-m", "services.cli", role]
+        restart = self.restart_args.get(name)
+        return self.spawn(name, role, [*command, *args], env, None if restart is None else [*command, *restart])
 
     def start_nats(self, timeout_s: float = 10.0) -> str:
         """An embedded nats-server with JetStream on loopback: NATS's own port 4222 when it is free, so

@@ -15,6 +15,10 @@ growing delay, as a supervisor would (the embedded nats-server on the same port 
 client, which reconnects forever, finds it again); a crash loop makes `up` give up. Before the first
 ready, a child that exits with a status is a start-up failure (a bad model, a bad flag) that no
 restart would cure, so `up` stops there. The process table and that policy are services/supervisor.py.
+
+With more than one executor, the executors join one torch.distributed world at an address `up` picks,
+and serve as the instances `--tp` or `--plan` describe (DESIGN.md, "Instances across executors"). A
+world cannot be rejoined, so a restarted executor comes back without it and serves alone (TP1).
 """
 
 import argparse
@@ -27,8 +31,12 @@ from pathlib import Path
 
 from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_description, progress
 from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, seconds, served_model_name
+from shared.net import free_port
+from shared.plans import PlanError, read_plan_file
 
 MORPHING_MODES = ("accuracy", "default", "performance")
+
+
 def default_log_dir() -> Path:
     """A fresh folder per run, under the checkout when there is one (so `ls logs/` finds them), else
     under the user's state directory: an installed package's folder is no place for logs."""
@@ -40,6 +48,18 @@ def default_log_dir() -> Path:
 def executor_device(device: str, index: int) -> str:
     # One executor per GPU: a bare "cuda" spreads the executors over cuda:0, cuda:1, ...
     return f"cuda:{index}" if device == "cuda" else device
+
+
+def executor_ids(count: int) -> list[str]:
+    return [f"exec{i}" for i in range(count)]
+
+
+def cpu_cores() -> int:
+    # The cores this process may run on, which a container or taskset can make fewer than the machine's.
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -80,9 +100,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--failover-timeout", type=seconds(), metavar="SECONDS",
                     help="how long the gateway tries to continue a stream on another executor when its executor "
                          "dies (its default 10)")
+    shape = ap.add_mutually_exclusive_group()
+    shape.add_argument("--tp", type=int, metavar="K",
+                       help="consecutive executors form instances of tensor-parallel degree K (K divides --executors; "
+                            "default: every executor serves a whole model on its own)")
+    shape.add_argument("--plan", type=Path, metavar="FILE",
+                       help="the instances as a JSON plan file (members, tp, per-layer placement and bits) over the "
+                            "executors exec0 ... exec<N-1>; needs --executors 2 or more")
+    ap.add_argument("--dist-timeout", type=seconds(), metavar="SECONDS",
+                    help="with several executors: how long each collective between them may take before it fails "
+                         "(the executors' default 30)")
     args = ap.parse_args(argv)
     if args.executors < 1:
         ap.error("--executors must be at least 1")
+    if args.tp is not None and args.tp < 1:
+        ap.error("--tp must be at least 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         ap.error("--max-model-len must leave room for a prompt and an output token")
     if args.memory_budget is not None:
@@ -103,6 +135,18 @@ def refused(args: argparse.Namespace) -> str | None:
     if args.suspect_after is not None and args.dead_after is not None and args.suspect_after > args.dead_after:
         return (f"--suspect-after {args.suspect_after:g} must not be longer than --dead-after {args.dead_after:g}: "
                 f"an executor is suspect before it is dead")
+    if args.tp is not None and args.executors % args.tp:
+        return (f"--tp {args.tp} must divide --executors {args.executors}: each instance is {args.tp} consecutive "
+                f"executors")
+    if args.plan is not None and args.executors == 1:
+        # The executors read a plan only as members of a world, and one executor forms none.
+        return f"--plan {args.plan} needs --executors 2 or more: a lone executor serves the whole model itself"
+    if args.plan is not None:
+        # Without the model's depth (no model is read yet): each executor checks the layers when it loads.
+        try:
+            read_plan_file(args.plan, executor_ids(args.executors), None)
+        except PlanError as e:
+            return f"--plan {args.plan} does not fit --executors {args.executors}: {e}"
     return None
 
 
@@ -121,14 +165,33 @@ def monitor_args(args: argparse.Namespace, nats_url: str) -> list[str]:
 
 
 def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[str]:
+    """Executor `index`'s arguments apart from the world's (world_args): all that its restarts run with."""
+    device = executor_device(args.device, index)
     out = ["--nats", nats_url, "--id", f"exec{index}", "--model", args.model,
-           "--device", executor_device(args.device, index), "--static-bits", str(args.static_bits),
-           "--swap-order", args.swap_order]
+           "--device", device, "--static-bits", str(args.static_bits), "--swap-order", args.swap_order]
     if args.memory_budget is not None:
         out += ["--memory-budget", args.memory_budget]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
+    if device == "cpu" and args.executors > 1:
+        # torch takes every core for each process by default: N executors would oversubscribe the CPU N-fold,
+        # and the slowest member holds up every collective of its instance.
+        out += ["--threads", str(max(1, cpu_cores() // args.executors))]
     return out + _given(args, "bus_outage")
+
+
+def world_args(args: argparse.Namespace, index: int, dist_url: str | None) -> list[str]:
+    """What puts executor `index` into the executors' world and its instance: its first run only."""
+    if args.executors == 1:
+        return []
+    if dist_url is None:
+        raise ValueError("several executors need the world's address")
+    out = ["--dist-url", dist_url, "--rank", str(index), "--world-size", str(args.executors)]
+    if args.tp is not None:
+        out += ["--tp", str(args.tp)]
+    if args.plan is not None:
+        out += ["--plan", str(args.plan.resolve())]
+    return out + _given(args, "dist_timeout")
 
 
 def gateway_args(args: argparse.Namespace, nats_url: str) -> list[str]:
@@ -201,8 +264,17 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"nats-server listening at {nats_url}")
         cluster.start_service("monitor", monitor_args(args, nats_url))
         cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode])
+        dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
+        if dist_url:
+            shape = f"--plan {args.plan}" if args.plan else f"TP{args.tp or 1} instances"
+            progress(f"the executors join one world at {dist_url} ({shape})")
         for i in range(args.executors):
-            cluster.start_service("executor", executor_args(args, nats_url, i), name=f"exec{i}")
+            alone = executor_args(args, nats_url, i)
+            world = world_args(args, i, dist_url)
+            if world:
+                # torch.distributed has no way back into a world: a restarted member serves alone, as TP1.
+                cluster.restart_args[f"exec{i}"] = alone
+            cluster.start_service("executor", alone + world, name=f"exec{i}")
         cluster.start_service("gateway", gateway_args(args, nats_url))
 
         # A wildcard bind address is not something to connect to.

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Message(BaseModel):
@@ -153,6 +153,22 @@ class GpuStats(Part):
     utilization_pct: float
 
 
+class LayerPlan(Part):
+    """Where one decoder layer is computed and at which bits (DESIGN.md, "Instances across executors")."""
+    placement: list[str] = Field(min_length=1)  # all members: TP shards; one: placed there; several: replicas
+    bits: Literal[16, 8, 4] = 16
+
+
+class InstancePlan(Part):
+    """A group of executors serving one copy of the model: the shape `--tp`, `--plan FILE`, GET
+    /v1/cluster and the planner share (shared/plans.py reads and checks it)."""
+    id: str
+    leader: str
+    members: list[str] = Field(min_length=1)
+    tp: int = Field(default=1, ge=1)
+    layers: list[LayerPlan]
+
+
 class ExecutorTelemetry(Message):
     executor: str
     instance: str  # new at every process start, so that a restart is told from a stall
@@ -175,6 +191,7 @@ class ExecutorTelemetry(Message):
     tpot_s: float  # mean time per output token, over the last window
     draining: bool = False
     gpu: GpuStats | None = None
+    plan: InstancePlan | None = None  # the instance it serves in; only a plan's leader takes requests
 
 
 class ExecutorState(Part):
@@ -192,6 +209,7 @@ class ExecutorState(Part):
 class ClusterState(Message):
     time: float
     executors: list[ExecutorState]
+    instances: list[InstancePlan] = Field(default_factory=list)  # of the live leaders
 
 
 # --- commands and events --------------------------------------------------------------------------

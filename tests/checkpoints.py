@@ -292,3 +292,22 @@ def write_tiny_gguf(hf_dir, out_file, arch: str | None = None, rope_scaling_type
     w.write_tensors_to_file()
     w.close()
     return out_file
+
+
+def write_tiny_llama_8kv(out) -> Path:
+    """Llama with 8 KV heads (16 query heads), for TP2 and TP4 without replication; an intermediate width of
+    200, which no TP degree's alignment divides, so the FFN shards are padded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _write_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=200, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=16, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    _rerandomise(model, seed=3)
+    return _save(model, out, torch.float32, {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})

@@ -14,6 +14,7 @@ they do under morphing, and the baselines differ from morphing only in when the 
 import argparse
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -29,8 +30,9 @@ from shared.bus import BadMessage, Bus, BusError, Incoming, stop_on_signals, uns
 from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
-                             ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, KvPages, PingArgs, QuantizeArgs,
-                             RestoreArgs, TokenizeReply, TokenizeRequest)
+                             ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, InstancePlan, KvPages, PingArgs,
+                             QuantizeArgs, RestoreArgs, TokenizeReply, TokenizeRequest)
+from shared.plans import PlanError, alone, plan_of, read_plan_file, tp_plans
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
 
 
 class ExecutorService:
-    def __init__(self, config: ExecutorConfig, engine=None):
+    def __init__(self, config: ExecutorConfig, engine=None, plan: InstancePlan | None = None):
+        """`plan`: the instance this executor leads (None: it serves alone, outside any world)."""
         if engine is None:
             # Imported here so that a service built around a given engine (the tests) needs no model load.
             from services.executor.engine.engine import LLMEngine
@@ -61,6 +64,9 @@ class ExecutorService:
         self.engine = engine
         self.id = config.executor_id
         self.instance = uuid.uuid4().hex  # tells the monitor a restart from a stall
+        self.plan = plan
+        self.broken = asyncio.Event()  # set once the instance it leads loses a member
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
@@ -70,7 +76,7 @@ class ExecutorService:
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
                                    config.admission_limit, self._outbox.put, self._publish,
-                                   max_queue_wait_s=config.max_queue_wait_s)
+                                   max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken)
 
     @property
     def draining(self) -> bool:
@@ -78,7 +84,7 @@ class ExecutorService:
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self, bus: Bus) -> None:
-        self._bus = bus
+        self._bus, self._loop = bus, asyncio.get_running_loop()
         bus.on_outage(self.config.bus_outage_s, self._on_bus_outage)
         self._outbox.start()
         self.worker.start()
@@ -133,6 +139,10 @@ class ExecutorService:
         log.warning("executor %s: the bus has been gone %.1f s; aborting %d requests in flight", self.id, seconds,
                     self.worker.snapshot.in_flight)
         self.worker.abort_all()
+
+    def _on_broken(self, exc: Exception) -> None:
+        log.warning("executor %s: instance %s is broken: %s", self.id, self.plan.id if self.plan else "?", exc)
+        self._loop.call_soon_threadsafe(self.broken.set)
 
     def _refuse_request(self, bad: BadMessage) -> Admission | None:
         """An infer request that does not decode (a range rule broken, another schema version) is
@@ -194,6 +204,10 @@ class ExecutorService:
             elif isinstance(args, DrainArgs):
                 self.worker.draining = True
                 result.state = {"in_flight": snap.in_flight}
+            elif self.engine.member is not None:
+                raise InvalidCommandError(f"{self.id} leads instance {self.plan.id} with {len(self.plan.members) - 1} "
+                                          f"other executors, which morphs as a whole, not one member at a time",
+                                          "kind")
             else:
                 report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, args)))
                 result.state = {"layers": list(self.engine.model.layer_bits), **report}
@@ -226,11 +240,13 @@ class ExecutorService:
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
                        pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
-            layers=snap.layers, swap_order=engine.swapper.swap_order,
+            layers=snap.layers if engine.member is None else [layer.bits for layer in self.plan.layers],
+            swap_order=engine.swapper.swap_order if engine.member is None else list(range(len(self.plan.layers))),
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
-            ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats())
+            ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats(),
+            plan=self.plan)
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device
@@ -248,16 +264,20 @@ class ExecutorService:
 
 
 # --- process ------------------------------------------------------------------------------------
-def apply_static_bits(engine, executor_id: str, bits: int) -> None:
-    """Quantize every decoder layer to `bits` before serving; FULL_PRECISION leaves them as loaded."""
-    if bits == FULL_PRECISION:
-        return
-    before = engine.arena.ledger.snapshot()
-    report = engine.swapper.set_bits(list(range(len(engine.model.layer_bits))), bits)
-    after = engine.arena.ledger.snapshot()
-    log.info("executor %s: static INT%d: %d layers quantized in %.1f s, %d KV pages gained (%d -> %d, "
-             "%d more tokens)", executor_id, bits, len(report.layers), report.seconds, report.pages_released,
-             before.pages_kv, after.pages_kv, report.pages_released * engine.config.block_size)
+def apply_static_bits(engine, executor_id: str, plan: InstancePlan) -> None:
+    """Quantize the decoder layers to the bits `plan` gives them before serving (--static-bits, or a plan
+    file); FULL_PRECISION leaves a layer as loaded."""
+    by_bits: dict[int, list[int]] = {}
+    for index, layer in enumerate(plan.layers):
+        if layer.bits != FULL_PRECISION:
+            by_bits.setdefault(layer.bits, []).append(index)
+    for bits, layers in by_bits.items():
+        before = engine.arena.ledger.snapshot()
+        report = engine.swapper.set_bits(layers, bits)
+        after = engine.arena.ledger.snapshot()
+        log.info("executor %s: static INT%d: %d layers quantized in %.1f s, %d KV pages gained (%d -> %d, "
+                 "%d more tokens)", executor_id, bits, len(report.layers), report.seconds, report.pages_released,
+                 before.pages_kv, after.pages_kv, report.pages_released * engine.config.block_size)
 
 
 def swap_order(engine, choice: str) -> list[int]:
@@ -310,43 +330,134 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    metavar="SECONDS",
                    help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
                         "(default %(default)s)")
+    world = p.add_argument_group("instances across executors", "without a world of several executors, this "
+                                 "executor serves the whole model alone")
+    world.add_argument("--dist-url", help="the world's rendezvous, tcp://HOST:PORT, hosted by rank 0 "
+                                          "(default $MORPHLING_DIST_URL)")
+    world.add_argument("--rank", type=int, help="this executor's rank in the world (default $MORPHLING_RANK)")
+    world.add_argument("--world-size", type=int, help="executors in the world (default $MORPHLING_WORLD_SIZE, else 1)")
+    world.add_argument("--dist-timeout", type=seconds(), default=30.0, metavar="SECONDS",
+                       help="how long any collective waits for a peer before the instance is called broken "
+                            "(default %(default)s)")
+    shape = world.add_mutually_exclusive_group()
+    shape.add_argument("--tp", type=int, default=_env_int("MORPHLING_TP"),
+                       help="tensor-parallel degree: consecutive ranks form instances of this many (default "
+                            "$MORPHLING_TP, else 1)")
+    shape.add_argument("--plan", default=os.environ.get("MORPHLING_PLAN") or None,
+                       help="a JSON file of instance plans (default $MORPHLING_PLAN)")
+    p.add_argument("--threads", type=int, help="torch threads of this executor (default: torch's own choice)")
     return p.parse_args(argv)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("executor")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine_config = replace(EngineConfig(), model=args.model, device=args.device, memory_budget=args.memory_budget,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_waiting=args.max_waiting, block_size=args.block_size,
                             prepare_variants=not args.lazy_variants)
     config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config,
                             bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait)
+    from services.executor.fabric.world import FabricError
+
     try:
-        service = ExecutorService(config)
-        # Before the worker thread starts, so the engine is still ours alone; the profile reads the
-        # full-precision weights, so it comes before any static quantization.
-        service.engine.swapper.swap_order = swap_order(service.engine, args.swap_order)
-        log.info("executor %s: swap order %s", config.executor_id, service.engine.swapper.swap_order)
-        apply_static_bits(service.engine, config.executor_id, args.static_bits)
-    except EngineError as exc:
+        role, world = start_role(args, config)
+    except (EngineError, PlanError, ValueError) as exc:  # FabricError is an EngineError
         log.error("executor %s cannot start: %s", config.executor_id, exc)
         return 1
 
     async def serve() -> None:
+        nonlocal role
         bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
         stopping = stop_on_signals()
-        await service.start(bus)
-        await stopping.wait()
-        log.info("executor %s: stopping; no new requests, waiting for %d in flight", config.executor_id,
-                 service.worker.snapshot.in_flight)
-        await service.stop(args.drain_timeout)
+        await role.start(bus)
+        while True:
+            waits = [asyncio.create_task(stopping.wait()), asyncio.create_task(role.broken.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+            if stopping.is_set():
+                break
+            # A member is gone and a world cannot be rejoined: serve the whole model alone from here on.
+            log.warning("executor %s: its instance is broken; serving alone as a TP1 instance", config.executor_id)
+            await role.stop(0.0)
+            world.close()
+            role = None
+            try:
+                role = await asyncio.to_thread(solo_role, args, config)
+            except EngineError as exc:
+                log.error("executor %s cannot serve alone: %s", config.executor_id, exc)
+                raise FabricError(str(exc)) from exc
+            await role.start(bus)
+        log.info("executor %s: stopping; no new requests", config.executor_id)
+        await role.stop(args.drain_timeout)
         await bus.close()
 
     try:
         asyncio.run(serve())
-    except BusError as exc:
+    except (BusError, FabricError) as exc:
         log.error("executor %s: %s", config.executor_id, exc)
         return 1
     return 0
+
+
+def start_role(args: argparse.Namespace, config: ExecutorConfig):
+    """Join the world (when there is one), find our instance, and build what we are in it: the service
+    of an engine (alone, or leading an instance) or a follower. Returns it and the world (or None)."""
+    from services.executor.engine.engine import LLMEngine, model_len
+    from services.executor.engine.model.loader import load_checkpoint
+    from services.executor.fabric.world import World, WorldSettings
+
+    settings = WorldSettings.from_args(args.dist_url, args.rank, args.world_size, args.dist_timeout)
+    if settings is None:
+        if args.tp not in (None, 1) or args.plan:
+            raise PlanError("--tp above 1 and --plan need a world of executors: --dist-url, --rank and --world-size")
+        return solo_role(args, config), None
+    world = World.join(settings, config.executor_id, config.engine.device)
+    checkpoint = load_checkpoint(config.engine.model)
+    num_layers = checkpoint.config.num_layers
+    if args.plan:
+        plans = read_plan_file(args.plan, world.names, num_layers)
+    else:
+        plans = tp_plans(world.names, args.tp or 1, num_layers, bits=args.static_bits)
+    world.create_groups(plans)
+    plan = plan_of(plans, config.executor_id)
+    if len(plan.members) == 1:
+        return solo_role(args, config, plan), world
+    from services.executor.fabric.member import InstanceMember, Seat
+
+    seat = Seat(world, plan, config.executor_id)
+    if plan.leader == config.executor_id:
+        return ExecutorService(config, LLMEngine(config.engine, progress=False, seat=seat), plan), world
+    from services.executor.engine.engine import DTYPES
+    from services.executor.follower import FollowerService
+
+    max_model_len = model_len(config.engine, checkpoint.config)
+    member = InstanceMember(seat, config.engine, checkpoint, DTYPES[config.engine.resolved_dtype()], max_model_len,
+                            progress=False)
+    return FollowerService(config, member, max_model_len), world
+
+
+def solo_role(args: argparse.Namespace, config: ExecutorConfig, plan: InstancePlan | None = None) -> "ExecutorService":
+    """An executor that holds the whole model: `plan` is its TP1 instance in a world, else one of its own."""
+    from services.executor.engine.engine import LLMEngine
+
+    engine = LLMEngine(config.engine, progress=False)
+    plan = plan or alone(config.executor_id, engine.model_config.num_layers, args.static_bits)
+    service = ExecutorService(config, engine, plan)
+    # Before the worker thread starts, so the engine is still ours alone; the profile reads the
+    # full-precision weights, so it comes before any static quantization.
+    engine.swapper.swap_order = swap_order(engine, args.swap_order)
+    log.info("executor %s: swap order %s", config.executor_id, engine.swapper.swap_order)
+    apply_static_bits(engine, config.executor_id, plan)
+    return service

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from services.executor.admission import Departures, admits, predicted_wait_s
 from services.executor.engine.errors import QueueFullError
+from services.executor.fabric.world import FabricError
 from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
 from services.executor.tokenization import render
 from services.executor.wire import token_delta
@@ -78,8 +79,12 @@ def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
 
 class EngineWorker:
     def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, pending_admissions: int,
-                 send: Send, publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0):
+                 send: Send, publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
+                 on_broken: Callable[[Exception], None] = lambda exc: None):
+        """`on_broken` is called (from the engine thread) once the instance this engine leads loses a member."""
         self.engine = engine
+        self.broken = False
+        self._on_broken = on_broken
         self.executor = executor
         self.model_name = model_name
         self.draining = False  # set by the service; admissions seen after it are refused
@@ -146,7 +151,11 @@ class EngineWorker:
                 self._apply_ops_then_cancels(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     self._step()
+                elif not self.broken:
+                    self.engine.keepalive()
                 self.snapshot = self._take_snapshot()
+            except FabricError as exc:
+                self._break(exc)
             except Exception:  # the thread is the executor: it must outlive any single failure
                 log.exception("executor %s: engine loop iteration failed", self.executor)
                 time.sleep(IDLE_WAIT_S)
@@ -238,9 +247,12 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             deltas = self.engine.step()
-        except Exception:
+        except Exception as exc:
             log.exception("executor %s: engine step failed; failing %d requests", self.executor, len(self._tracked))
-            self._fail_all()
+            self._fail_all("the instance lost a member while generating" if isinstance(exc, FabricError)
+                           else "the executor failed while generating")
+            if isinstance(exc, FabricError):
+                self._break(exc)
             return
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()
@@ -302,7 +314,15 @@ class EngineWorker:
 
         self._send(send)
 
-    def _fail_all(self) -> None:
+    def _break(self, exc: FabricError) -> None:
+        """The instance lost a member: admit nothing more, and tell the service, which falls back to TP1."""
+        if self.broken:
+            return
+        self.broken = True
+        self.draining = True
+        self._on_broken(exc)
+
+    def _fail_all(self, message: str) -> None:
         """After a failed step: end every in-flight request with an error delta and free its pages."""
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()
@@ -315,7 +335,7 @@ class EngineWorker:
                     request_id=req.request_id, index=index, token_ids=[], text="", timestamps=[],
                     finished=True, finish_reason="error", prompt_tokens=req.prompt_tokens,
                     output_tokens=req.output_tokens.get(index, 0),
-                    error=ErrorInfo(type="internal_error", message="the executor failed while generating")))
+                    error=ErrorInfo(type="internal_error", message=message)))
             self._finish(req, now)
             try:
                 self.engine.abort(req.request_id)

@@ -6,6 +6,9 @@ through the same CommandSender as the controller's (shared/commands.py), so they
 sequence numbers, retries and audit events. The gateway answers only once the executors applied
 them, and waits a bounded moment for the monitor's view to catch up so that the `executors` it returns already show
 the change (the monitor lags the executors by a few hundred milliseconds).
+
+GET /v1/cluster shows the instances (DESIGN.md, "Instances across executors") beside the executors, in the
+plan shape shared/plans.py reads, so that a `--plan` file can be written from what a running cluster shows.
 """
 
 import asyncio
@@ -15,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from services.gateway.openai_api import ApiError, bad_request
+from services.gateway.router import leads
 from shared.commands import CommandSender
 from shared.messages import ClusterState, CommandResult, QuantizeArgs, RestoreArgs
 
@@ -65,15 +69,28 @@ def parse_morph(body) -> MorphRequest:
     return req
 
 
+def cluster_body(state: ClusterState | None) -> dict:
+    """The body of GET /v1/cluster."""
+    return {"executors": cluster_view(state), "instances": instances_view(state)}
+
+
 def cluster_view(state: ClusterState | None) -> list[dict]:
-    """The body of GET /v1/cluster's `executors`."""
+    """The body of GET /v1/cluster's `executors`. `instance` is None for a standalone executor (no plan),
+    which leads itself."""
     return [{"id": e.executor, "alive": e.alive, "suspect": e.suspect, "restarts": e.restarts,
              "model": e.telemetry.model, "draining": e.telemetry.draining,
              "layers": e.telemetry.layers, "swap_order": e.telemetry.swap_order,
              "block_size": e.telemetry.block_size, "kv": e.telemetry.kv.model_dump(),
              "running": e.telemetry.running, "waiting": e.telemetry.waiting,
-             "preemptions": e.telemetry.preemptions}
+             "preemptions": e.telemetry.preemptions,
+             "instance": e.telemetry.plan.id if e.telemetry.plan else None,
+             "role": "leader" if leads(e) else "follower"}
             for e in (state.executors if state else [])]
+
+
+def instances_view(state: ClusterState | None) -> list[dict]:
+    """The body of GET /v1/cluster's `instances`: the plans of the live leaders, as the monitor read them."""
+    return [plan.model_dump() for plan in (state.instances if state else [])]
 
 
 def _targets(state: ClusterState | None, executor: str) -> list[str]:

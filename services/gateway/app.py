@@ -229,7 +229,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/cluster")
     async def cluster():
-        return {"executors": admin.cluster_view(gw.dispatcher.state)}
+        return admin.cluster_body(gw.dispatcher.state)
 
     @app.post("/v1/cluster/morph", openapi_extra=_body_schema(admin.MorphRequest))
     async def cluster_morph(request: Request):

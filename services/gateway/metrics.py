@@ -8,12 +8,17 @@ timestamps because tokens cross the bus in batches and arrival times would hide 
 Queue time is defined as arrival at the gateway -> admission accepted by an executor: the time spent
 finding an executor with room. The executor's own waiting before its first scheduling is not visible
 per request here (the executor reports it as a windowed mean in telemetry).
+
+Instances (DESIGN.md, "Instances across executors") get gauges of their own instead of an `instance` label on the
+executor metrics, so that existing queries and dashboards keep their series. A follower's running and waiting are
+always 0, so the request gauges need no filtering; its KV pages are as real as its leader's and count in the mean.
 """
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.messages import ClusterState
+from services.gateway.router import leads
+from shared.messages import ClusterState, InstancePlan
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -51,6 +56,8 @@ class GatewayMetrics:
                                  "Requests continued on another executor after theirs was lost", registry=r)
         self._restarts: dict[str, int] = {}
         r.register(_RestartsCollector(self._restarts))
+        self._instances = _InstancesCollector()
+        r.register(self._instances)
 
     def observe_state(self, state: ClusterState) -> None:
         live = [e for e in state.executors if e.alive]
@@ -58,6 +65,9 @@ class GatewayMetrics:
         self.waiting.set(sum(e.telemetry.waiting for e in live))
         self.kv_usage.set(sum(e.kv_usage for e in live) / len(live) if live else 0.0)
         self._restarts.update({e.executor: e.restarts for e in state.executors})
+        self._instances.instances = list(state.instances)
+        self._instances.roles = [(e.executor, e.telemetry.plan.id, "leader" if leads(e) else "follower")
+                                 for e in live if e.telemetry.plan is not None]
 
     def observe_token_times(self, previous: float | None, timestamps: list[float]) -> float | None:
         """Record the gaps between consecutive token timestamps; returns the last one seen."""
@@ -85,3 +95,28 @@ class _RestartsCollector:
         for executor, count in sorted(self._restarts.items()):
             family.add_metric([executor], count)
         yield family
+
+
+class _InstancesCollector:
+    """The instances of the latest cluster state. Rebuilt on each scrape rather than kept in labelled Gauges, so
+    that an instance that was dissolved (a TP split, its leader dead) leaves /metrics instead of lingering."""
+
+    def __init__(self):
+        self.instances: list[InstancePlan] = []
+        self.roles: list[tuple[str, str, str]] = []  # (executor, instance, role) of the live executors in one
+
+    def collect(self):
+        members = GaugeMetricFamily("morphling_instance_members", "Executors serving one model copy together",
+                                    labels=["instance", "leader"])
+        tp = GaugeMetricFamily("morphling_instance_tp", "Tensor-parallel degree of an instance", labels=["instance"])
+        for plan in self.instances:
+            members.add_metric([plan.id, plan.leader], len(plan.members))
+            tp.add_metric([plan.id], plan.tp)
+        role = GaugeMetricFamily("morphling_executor_instance",
+                                 "1 for each live executor that serves in an instance, with its role there "
+                                 "(standalone executors have none)", labels=["executor", "instance", "role"])
+        for executor, instance, kind in self.roles:
+            role.add_metric([executor, instance, kind], 1)
+        yield members
+        yield tp
+        yield role

@@ -2,17 +2,27 @@
 
 Pure so that it is tested without a bus and so that the gateway's retry loop (queue full, executor
 gone) is just "call again with the failed ones excluded".
+
+Only an instance's leader runs a scheduler (DESIGN.md, "Instances across executors"): its followers
+report telemetry too, but a request sent to one would find nobody to take it, so they are never
+candidates. An executor without a plan is a standalone one and leads itself.
 """
 
 from shared.messages import ClusterState, ExecutorState
 
 
+def leads(e: ExecutorState) -> bool:
+    """Whether it leads its instance: the one executor of the instance that takes requests."""
+    plan = e.telemetry.plan
+    return plan is None or plan.leader == e.executor
+
+
 def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:
-    """Live executors that accept new work (not draining), optionally only those serving `model`."""
+    """Live leaders that accept new work (not draining), optionally only those serving `model`."""
     if state is None:
         return []
     return [e for e in state.executors
-            if e.alive and not e.telemetry.draining and (model is None or e.telemetry.model == model)]
+            if e.alive and leads(e) and not e.telemetry.draining and (model is None or e.telemetry.model == model)]
 
 
 def choose_executor(state: ClusterState | None, exclude: set[str], model: str) -> str | None:

@@ -16,13 +16,17 @@ after `suspect_after_s` an executor gets no new requests but keeps its running o
 `dead_after_s` are they given up. A process that is really gone is told apart sooner by the caller
 (nobody answers on its subjects any more: `mark_gone`), and a process that restarted by the new
 `instance` in its telemetry, which counts a restart even when no heartbeat was missed.
+
+The instances (DESIGN.md, "Instances across executors") are read off the live leaders' telemetry: a
+leader is the one member that takes requests, so an instance whose leader is dead is no instance the
+gateway can use, whatever its followers still report.
 """
 
 import math
 from dataclasses import dataclass, field
 
 from shared.config import MonitorConfig
-from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry
+from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan
 
 UP = "up"
 DOWN = "down"
@@ -110,7 +114,16 @@ class ClusterView:
                           restarts=e.restarts, last_seen=e.last_seen,
                           kv_usage=e.kv_usage, queue_delay_s=e.queue_delay_s, waiting=e.waiting,
                           telemetry=e.telemetry)
-            for name, e in sorted(self._executors.items())])
+            for name, e in sorted(self._executors.items())], instances=self.instances(now))
+
+    def instances(self, now: float) -> list[InstancePlan]:
+        """The plans of the live leaders, one per id, by id. Executors without a plan (standalone) add none."""
+        plans: dict[str, InstancePlan] = {}
+        for name, e in sorted(self._executors.items()):
+            plan = e.telemetry.plan
+            if plan is not None and plan.leader == name and self.alive(name, now):
+                plans.setdefault(plan.id, plan)
+        return [plans[i] for i in sorted(plans)]
 
     def transitions(self, now: float) -> list[tuple[str, str]]:
         """(executor, "up"|"down") for each change since the last call; per executor they alternate,

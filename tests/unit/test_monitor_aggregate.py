@@ -8,17 +8,18 @@ from hypothesis import strategies as st
 
 from services.monitor.aggregate import ClusterView, ewma_alpha
 from shared.config import MonitorConfig
-from shared.messages import ExecutorTelemetry, KvPages
+from shared.messages import ExecutorTelemetry, InstancePlan, KvPages
+from shared.plans import tp_plans
 
 
 def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting: int = 0,
-              queue_delay_s: float = 0.0, instance: str = "i0") -> ExecutorTelemetry:
+              queue_delay_s: float = 0.0, instance: str = "i0", plan: InstancePlan | None = None) -> ExecutorTelemetry:
     kv = KvPages(pages_total=used + free + 40, pages_slot=40, pages_free=free, pages_used=used,
                  pages_base=used + free, pages_extension=0)
     return ExecutorTelemetry(executor=executor, instance=instance, time=at, model="m", max_model_len=2048,
                              block_size=16, page_bytes=4096, kv=kv, layers=[16] * 4, swap_order=[], running=0,
                              waiting=waiting, max_waiting=256, preemptions=0, prompt_tokens=0, generated_tokens=0,
-                             queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0)
+                             queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0, plan=plan)
 
 
 def test_ewma_follows_a_step_with_the_configured_half_life():
@@ -176,3 +177,34 @@ def test_thresholds_must_be_ordered():
         MonitorConfig(suspect_after_s=2.0, dead_after_s=1.0)
     with pytest.raises(ValueError):
         MonitorConfig(suspect_after_s=0.0)
+
+
+def test_instances_are_the_plans_of_the_live_leaders_once_each_by_id():
+    view = ClusterView(MonitorConfig(dead_after_s=1.0))
+    second, first = tp_plans(["c", "d", "a", "b"], 2, 4)  # ids i0 (c, d) and i1 (a, b): by id, not by executor
+    for name, plan in (("a", first), ("b", first), ("c", second), ("d", second)):
+        view.observe(telemetry(name, 0.0, plan=plan), now=0.0)
+    view.observe(telemetry("solo", 0.0), now=0.0)  # standalone: an executor, but no instance to show
+    state = view.state(0.5)
+    assert [p.id for p in state.instances] == ["i0", "i1"]
+    assert state.instances == [second, first] and state.instances[0].members == ["c", "d"]
+    assert [e.executor for e in state.executors] == ["a", "b", "c", "d", "solo"]
+
+
+def test_an_instance_goes_with_its_leader_whatever_its_followers_report():
+    view = ClusterView(MonitorConfig(dead_after_s=1.0))
+    (plan,) = tp_plans(["lead", "follow"], 2, 4)
+    view.observe(telemetry("lead", 0.0, plan=plan), now=0.0)
+    view.observe(telemetry("follow", 0.0, plan=plan), now=0.0)
+    view.observe(telemetry("follow", 1.5, plan=plan), now=1.5)
+    assert view.state(1.5).instances == []  # the leader is silent past dead_after
+    view.observe(telemetry("lead", 1.6, plan=plan), now=1.6)
+    assert view.state(1.6).instances == [plan]
+    view.mark_gone("lead", checked_at=1.7)
+    assert view.state(1.7).instances == []
+
+
+def test_without_plans_there_are_no_instances():
+    view = ClusterView(MonitorConfig())
+    view.observe(telemetry("a", 0.0), now=0.0)
+    assert view.state(0.0).instances == [] and len(view.state(0.0).executors) == 1

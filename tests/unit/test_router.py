@@ -1,17 +1,18 @@
-"""choose_executor: live, not draining, right model, not excluded; not suspect, most free KV pages, then
-shortest queue."""
+"""choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, most free
+KV pages, then shortest queue."""
 
-from services.gateway.router import choose_executor
+from services.gateway.router import choose_executor, leads, serving
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
+from shared.plans import tp_plans
 
 
-def executor(name, free=10, waiting=0, alive=True, draining=False, model="m", suspect=False):
+def executor(name, free=10, waiting=0, alive=True, draining=False, model="m", suspect=False, plan=None):
     kv = KvPages(pages_total=100, pages_slot=50, pages_free=free, pages_used=50 - free, pages_base=40,
                  pages_extension=10)
     t = ExecutorTelemetry(executor=name, instance="i0", time=0.0, model=model, max_model_len=2048, block_size=16,
                           page_bytes=1, kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting,
                           max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0,
-                          ttft_s=0.0, tpot_s=0.0, draining=draining)
+                          ttft_s=0.0, tpot_s=0.0, draining=draining, plan=plan)
     return ExecutorState(executor=name, alive=alive, suspect=suspect, last_seen=0.0, kv_usage=0.5, queue_delay_s=0.0,
                          waiting=float(waiting), telemetry=t)
 
@@ -44,3 +45,26 @@ def test_a_suspect_executor_is_asked_only_when_no_other_can_be():
     s = state(executor("stalled", free=99, suspect=True), executor("ok", free=1))
     assert choose_executor(s, set(), "m") == "ok"
     assert choose_executor(s, {"ok"}, "m") == "stalled"
+
+
+def test_only_an_instances_leader_is_asked_never_its_followers():
+    (tp2,) = tp_plans(["lead", "follow"], 2, 4)
+    s = state(executor("follow", free=99, plan=tp2), executor("lead", free=1, plan=tp2), executor("solo", free=5))
+    assert [e.executor for e in serving(s)] == ["lead", "solo"]
+    assert choose_executor(s, set(), "m") == "solo"
+    assert choose_executor(s, {"solo"}, "m") == "lead"
+    assert choose_executor(s, {"solo", "lead"}, "m") is None
+
+
+def test_followers_stay_out_when_their_leader_is_dead_or_draining():
+    (tp2,) = tp_plans(["lead", "follow"], 2, 4)
+    for lead in (executor("lead", alive=False, plan=tp2), executor("lead", draining=True, plan=tp2)):
+        assert choose_executor(state(lead, executor("follow", free=99, plan=tp2)), set(), "m") is None
+
+
+def test_an_executor_without_a_plan_leads_itself_and_a_solo_plan_changes_nothing():
+    solo = tp_plans(["a", "b"], 1, 4)
+    assert leads(executor("a")) and leads(executor("a", plan=solo[0]))
+    assert not leads(executor("b", plan=solo[0]))  # a plan that names another leader makes it a follower
+    s = state(executor("a", free=5, plan=solo[0]), executor("b", free=9, plan=solo[1]))
+    assert choose_executor(s, set(), "m") == "b"

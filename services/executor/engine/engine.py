@@ -28,6 +28,8 @@ from services.executor.engine.scheduling.outputs import (Completion, CompletionD
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
+from services.executor.fabric.leader import InstanceRunner
+from services.executor.fabric.member import InstanceMember, Seat
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.messages import ResumedCompletion
@@ -36,6 +38,11 @@ from shared.sampling import SamplingOptions
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_len(config: EngineConfig, cfg) -> int:
+    """The longest sequence served: the configured one, capped by what the model can attend to exactly."""
+    return min(config.max_model_len or cfg.max_context, cfg.max_context)
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, seat: Seat | None = None):
+        """`seat`: this executor's place in an instance that spans several executors (it leads it); None
+        for an executor that holds the whole model."""
         self.config = config
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
@@ -61,20 +70,30 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(path)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,)
                                                           if self.tokenizer.eos_token_id is not None else ())
-        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
+        self.max_model_len = model_len(config, cfg)
         dtype = DTYPES[config.resolved_dtype()]
-        geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
-        _, layer_bytes = layer_layout(cfg, dtype)
-        self.arena = Arena(geometry, config.memory_budget, layer_bytes, self.max_model_len, config.device)
-        self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len, progress)
-        self.blocks = BlockManager(self.arena.ledger, config.block_size)
+        self.member = None
+        if seat is None:
+            geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+            _, layer_bytes = layer_layout(cfg, dtype)
+            self.arena = Arena(geometry, config.memory_budget, layer_bytes, self.max_model_len, config.device)
+            self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len,
+                                      progress)
+            self.blocks = BlockManager(self.arena.ledger, config.block_size)
+            self.runner = ModelRunner(self.model, config.block_size, config.device)
+        else:
+            self.member = InstanceMember(seat, config, checkpoint, dtype, self.max_model_len, progress)
+            self.arena, self.model = self.member.arena, self.member.model
+            self.blocks = BlockManager(self.member.blocks, config.block_size)
+            self.runner = InstanceRunner(self.member, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
-        self.runner = ModelRunner(self.model, config.block_size, config.device)
         windows = calibration_windows(self.tokenizer, window=min(512, self.max_model_len)) if config.awq else None
-        self.variants = VariantStore(self.model, checkpoint.fingerprint(), config.variant_bits, config.awq,
-                                     config.variant_cache_dir, config.host_memory_cap, windows)
-        if config.prepare_variants:
+        # An instance's members morph together (the fabric's transformations), never one shard on its own.
+        self.variants = VariantStore(self.model, checkpoint.fingerprint() if seat is None else None,
+                                     config.variant_bits, config.awq, config.variant_cache_dir,
+                                     config.host_memory_cap, windows)
+        if config.prepare_variants and seat is None:
             self.variants.prepare(progress)
         self.swapper = LayerSwapper(self.model, self.arena, self.scheduler, self.variants)
         self._rng = random.Random(config.seed)
@@ -256,6 +275,7 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if all(s.status is Status.FINISHED for s in self._requests[seq.request_id]):
             del self._requests[seq.request_id]
+            self.runner.forget(seq.request_id)
             if reason in ("stop", "length"):
                 self._counts["finished"] += 1
 
@@ -275,10 +295,14 @@ class LLMEngine:
         return torch.Generator(device=self.config.device).manual_seed(seed)
 
     # --- reading ------------------------------------------------------------------------------
+    def keepalive(self) -> None:
+        """Called while there is nothing to step: an instance's leader tells its members it lives."""
+        self.runner.keepalive()
+
     def stats(self) -> EngineStats:
+        ledger = self.arena.ledger.snapshot() if self.member is None else self.member.snapshot()
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           preemptions=self.scheduler.num_preemptions, ledger=self.arena.ledger.snapshot(),
-                           **self._counts)
+                           preemptions=self.scheduler.num_preemptions, ledger=ledger, **self._counts)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingOptions | list[SamplingOptions]
                  ) -> list[Completion]:

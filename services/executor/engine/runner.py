@@ -18,11 +18,17 @@ def length_groups(lengths: list[int]) -> list[int]:
         sizes[-1] += 1
     return sizes
 
+
 import torch
 
 from kernels.block_copy import copy_blocks
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
 from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+
+
+def batch_order(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """The order of the chunks' rows in the packed batch: decodes, longest context first, then prefills."""
+    return [*sorted((c for c in chunks if c.length == 1), key=lambda c: -c.start), *(c for c in chunks if c.length > 1)]
 
 
 class ModelRunner:
@@ -42,9 +48,16 @@ class ModelRunner:
         batch, sampled = self.build(out.chunks)
         return self.model.forward(batch), sampled
 
+    def keepalive(self) -> None:
+        """Called while there is no work: a runner alone has nobody to tell that it lives."""
+
+    def forget(self, request_id: str) -> None:
+        """A request ended; a runner alone keeps nothing about it."""
+
     def build(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ScheduledChunk]]:
         bs = self.block_size
-        decodes = sorted((c for c in chunks if c.length == 1), key=lambda c: -c.start)
+        chunks = batch_order(chunks)
+        decodes = [c for c in chunks if c.length == 1]
         prefills = [c for c in chunks if c.length > 1]
         ids: list[int] = []
         positions: list[int] = []

@@ -8,6 +8,7 @@ context length), then prefill chunks
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,10 @@ def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | 
     return F.linear(x, w[name], bias)
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -144,8 +149,11 @@ class ForwardBatch:
 
 class DecoderModel:
     def __init__(self, cfg: ModelConfig, arena: Arena, checkpoint: Checkpoint, dtype: torch.dtype,
-                 device: torch.device | str, max_positions: int, progress: bool = True):
+                 device: torch.device | str, max_positions: int, progress: bool = True,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`reduce` sums a tensor-parallel shard's partial o_proj and down_proj outputs over the instance."""
         self.cfg = cfg
+        self.reduce = reduce or _unchanged
         self.arena = arena
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -177,14 +185,22 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.run_layers(self.embed(batch.input_ids), batch, range(len(self.layers)))
+        return self.logits(x, batch.logits_rows)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch, layers: range) -> torch.Tensor:
+        """The hidden states `x` (one row per token of `batch`) after this model's decoder layers `layers`."""
         cfg = self.cfg
-        n = batch.input_ids.shape[0]
-        x = F.embedding(batch.input_ids, self.embed_tokens)
+        n = x.shape[0]
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         kv_cache = self.arena.kv_cache
-        for index, w in enumerate(self.layers):
-            bits = self.layer_bits[index]
+        for index in layers:
+            w, bits = self.layers[index], self.layer_bits[index]
             if self.layer_ready[index] is not None:  # a swap's copy into this slot: wait for it, once
                 torch.cuda.current_stream().wait_event(self.layer_ready[index])
                 self.layer_ready[index] = None
@@ -202,9 +218,11 @@ class DecoderModel:
                 parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
                                                p.context_start, self.scale))
             attn = torch.cat(parts) if len(parts) > 1 else parts[0]
-            x = x + linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits)
+            x = x + self.reduce(linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits))
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
             gate, up = linear(h, w, "gate_up_proj", bits).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w, "down_proj", bits)
-        x = rms_norm(x[batch.logits_rows], self.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+            x = x + self.reduce(linear(F.silu(gate) * up, w, "down_proj", bits))
+        return x
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps), self.lm_head).float()

@@ -117,6 +117,8 @@ class LayerSwapper:
     def _vacate(self, pages: set[int]) -> int:
         """Move live KV out of `pages` (block tables first, then the data); returns the pages moved.
         Refuses, changing nothing, when the KV pages elsewhere cannot take it."""
+        if not pages:
+            return 0
         try:
             moved = self.scheduler.evacuate(pages)
         except OutOfPagesError as exc:

@@ -1,0 +1,249 @@
+"""One executor's part of an instance that spans several: its layers, its KV pages, the step protocol.
+
+Every member holds a DecoderModel over just its layers (and of each, its TP shard: shards.py) in its own
+arena. KV is named by the instance's block ids: at start the members agree on how many blocks the instance
+has (the fewest any member can hold) and each maps block b to a page of its own arena, so the leader's
+scheduler allocates for all of them and no page is ever asked of a member that lacks it.
+
+A step, leader and followers in lock-step (the leader sends the StepPlan first, step.py):
+  embed (the leader; in a TP instance every member, so that no hidden state needs sending)
+  for each segment (a run of layers computed by the same members, shared/plans.py):
+    TP shards:  every member runs its shard; o_proj and down_proj outputs are all-reduced
+    one member: it runs the layers (the leader sends it the hidden states and gets them back: a hop)
+    replicas:   the leader scatters each replica's rows, runs its own, gathers the rest
+  logits (the leader)
+Point-to-point traffic is a broadcast in the pair's own group: gloo's group timeout then covers it,
+which plain send/recv does not honour.
+"""
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.executor.engine.memory.arena import Arena, ArenaGeometry
+from services.executor.engine.memory.ledger import LedgerSnapshot, PageLedger
+from services.executor.engine.model.checkpoint import Checkpoint
+from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk, layer_layout
+from services.executor.engine.morphing.swapper import LayerSwapper
+from services.executor.fabric import step as wire
+from services.executor.fabric.shards import MemberCheckpoint, Shard
+from services.executor.fabric.world import FabricError, World, checked
+from shared.config import EngineConfig
+from shared.messages import InstancePlan
+from shared.plans import FULL_BITS, Segment, layers_on, segments
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 1.0  # an idle leader says it is alive this often; far below any sane --dist-timeout
+
+
+@dataclass(frozen=True)
+class Seat:
+    """An executor's place in an instance that spans several executors."""
+    world: World
+    plan: InstancePlan
+    me: str
+
+
+class InstanceMember:
+    def __init__(self, seat: Seat, config: EngineConfig, checkpoint: Checkpoint, dtype: torch.dtype,
+                 max_model_len: int, progress: bool = True):
+        world, plan, me = seat.world, seat.plan, seat.me
+        self.world, self.plan, self.me = world, plan, me
+        self.leader = plan.leader
+        self.is_leader = me == plan.leader
+        self.device = torch.device(config.device)
+        self.segments: list[Segment] = segments(plan)
+        layers = layers_on(plan, me)
+        self.local_index = {layer: i for i, layer in enumerate(layers)}
+        self.shard = Shard(tuple(layers), plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
+        view = MemberCheckpoint(checkpoint, self.shard, dtype)
+        cfg = self.local_config = view.config
+        self.group = world.group(plan.members)
+        geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+        self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device)
+        reduce = self._all_reduce if plan.tp > 1 else None
+        self.model = DecoderModel(cfg, self.arena, view, dtype, config.device, max_model_len, progress, reduce)
+        self.hidden_size, self.dtype = cfg.hidden_size, dtype
+        self._quantize_as_planned()
+        self.pages, self.blocks = self._agree_on_blocks()
+        self.kv_free, self.kv_used = self.blocks.num_free, 0  # a follower's copy of the leader's counts
+        self.broken = False
+        self.last_sent = time.monotonic()
+        log.info("executor %s: member of instance %s (%s), %d KV blocks of %d tokens", me, plan.id,
+                 self.shard.describe(), self.blocks.num_pages, config.block_size)
+
+    # --- start ----------------------------------------------------------------------------------
+    def _quantize_as_planned(self) -> None:
+        by_bits: dict[int, list[int]] = {}
+        for layer, local in self.local_index.items():
+            bits = self.plan.layers[layer].bits
+            if bits != FULL_BITS:
+                by_bits.setdefault(bits, []).append(local)
+        if by_bits:
+            swapper = LayerSwapper(self.model, self.arena, scheduler=None)
+            for bits, local in by_bits.items():
+                swapper.set_bits(local, bits)
+
+    def _agree_on_blocks(self) -> tuple[torch.Tensor, PageLedger]:
+        """The instance has as many KV blocks as its smallest member has free pages; ours are our highest."""
+        ledger = self.arena.ledger
+        count = torch.tensor([ledger.num_free], dtype=torch.int64)
+        with checked(f"instance {self.plan.id}: agreeing on the KV block count"):
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)
+        blocks = int(count)
+        free = sorted((p for p in range(ledger.num_pages) if ledger.slot_of(p) is None), reverse=True)
+        return torch.tensor(free[:blocks], dtype=torch.int64, device=self.device), PageLedger(blocks)
+
+    # --- the leader's side ------------------------------------------------------------------------
+    def lead(self, step: wire.StepPlan) -> torch.Tensor:
+        """Send `step` to the members and run our part; the logits of the step's sampled rows."""
+        step.kv_free, step.kv_used = self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free
+        self._send_step(step)
+        return self.execute(step)
+
+    def keepalive(self) -> None:
+        if time.monotonic() - self.last_sent >= KEEPALIVE_S:
+            self._send_step(wire.StepPlan(wire.KEEPALIVE))
+
+    def _send_step(self, step: wire.StepPlan) -> None:
+        flat = wire.encode(step)
+        with self._collective("sending a step"):
+            dist.broadcast(torch.tensor([flat.numel()], dtype=torch.int64), self.world.rank_of(self.leader),
+                           group=self.group)
+            dist.broadcast(flat, self.world.rank_of(self.leader), group=self.group)
+        self.last_sent = time.monotonic()
+
+    # --- a follower's side ------------------------------------------------------------------------
+    def follow_one(self) -> None:
+        """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it."""
+        leader = self.world.rank_of(self.leader)
+        size = torch.zeros(1, dtype=torch.int64)
+        with self._collective("waiting for the leader's step"):
+            dist.broadcast(size, leader, group=self.group)
+            flat = torch.empty(int(size), dtype=torch.int64)
+            dist.broadcast(flat, leader, group=self.group)
+        step = wire.decode(flat)
+        self.kv_free, self.kv_used = step.kv_free, step.kv_used
+        if step.kind == wire.RUN:
+            self.execute(step)
+
+    # --- both -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: wire.StepPlan) -> torch.Tensor | None:
+        kv = self.arena.kv_cache
+        if step.fresh.numel():
+            kv[self._pages(step.fresh)] = 0
+        if step.copies.numel():
+            kv[self._pages(step.copies[:, 1])] = kv[self._pages(step.copies[:, 0])]
+        batch = self._local(step.batch)
+        x = self.model.embed(batch.input_ids) if self.is_leader or self.plan.tp > 1 else None
+        for index, segment in enumerate(self.segments):
+            x = self._segment(index, segment, x, batch, step.parts)
+        return self.model.logits(x, batch.logits_rows) if self.is_leader else None
+
+    def _segment(self, index: int, segment: Segment, x: torch.Tensor | None, batch: ForwardBatch,
+                 parts: list[wire.ReplicaPart]) -> torch.Tensor | None:
+        if self.plan.tp > 1:
+            return self.model.run_layers(x, batch, self._local_layers(segment))
+        if len(segment.placement) == 1:
+            owner = segment.placement[0]
+            if owner == self.leader:
+                return self.model.run_layers(x, batch, self._local_layers(segment)) if self.is_leader else x
+            if self.is_leader:
+                self._hop(x, self.leader, owner)
+                return self._hop(x, owner, self.leader)
+            if self.me == owner:
+                rows = batch.input_ids.shape[0]
+                x = self._hop(self._buffer(rows), self.leader, owner)
+                self._hop(self.model.run_layers(x, batch, self._local_layers(segment)), owner, self.leader)
+            return None
+        return self._replicas(index, segment, x, batch, parts)
+
+    def _replicas(self, index: int, segment: Segment, x: torch.Tensor | None, batch: ForwardBatch,
+                  parts: list[wire.ReplicaPart]) -> torch.Tensor | None:
+        mine = {self.plan.members[p.member]: p for p in parts if p.segment == index}
+        layers = self._local_layers(segment) if self.me in segment.placement else None
+        if not self.is_leader:
+            if self.me in mine:
+                part = mine[self.me]
+                rows = self._hop(self._buffer(part.rows.numel()), self.leader, self.me)
+                self._hop(self.model.run_layers(rows, self._local(part.batch), layers), self.me, self.leader)
+            return x
+        others = [m for m in segment.placement if m != self.leader and m in mine]
+        for m in others:
+            self._hop(x[mine[m].rows.to(self.device)].contiguous(), self.leader, m)
+        out = x.clone()
+        if self.leader in mine:
+            own = mine[self.leader]
+            out[own.rows.to(self.device)] = self.model.run_layers(x[own.rows.to(self.device)], self._local(own.batch),
+                                                                  layers)
+        for m in others:
+            out[mine[m].rows.to(self.device)] = self._hop(self._buffer(mine[m].rows.numel()), m, self.leader)
+        return out
+
+    def _hop(self, tensor: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+        """Move `tensor` from `src` to `dst` (the receiver passes a buffer of the right shape)."""
+        with self._collective(f"moving hidden states {src} -> {dst}"):
+            dist.broadcast(tensor, self.world.rank_of(src), group=self.world.group((src, dst)))
+        return tensor
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        with self._collective("all-reducing a TP shard's output"):
+            dist.all_reduce(partial, group=self.group)
+        return partial
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _local_layers(self, segment: Segment) -> range:
+        start = self.local_index[segment.start]
+        return range(start, start + segment.stop - segment.start)
+
+    # --- block ids to our pages -------------------------------------------------------------------
+    def _pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        return self.pages[blocks.to(self.device)]
+
+    def _local(self, b: ForwardBatch) -> ForwardBatch:
+        bs = self.arena.geometry.block_size
+        slots = b.slot_mapping.to(self.device)
+        return ForwardBatch(
+            input_ids=b.input_ids.to(self.device), positions=b.positions.to(self.device),
+            slot_mapping=self.pages[slots // bs] * bs + slots % bs,
+            decodes=[DecodeGroup(g.row, g.length, self._pages(g.block_tables).to(torch.int32),
+                                 g.context_lens.to(self.device)) for g in b.decodes],
+            prefills=[PrefillChunk(p.row, p.length, self._pages(p.block_table).to(torch.int32), p.context_start)
+                      for p in b.prefills],
+            logits_rows=b.logits_rows.to(self.device))
+
+    # --- failure ----------------------------------------------------------------------------------
+    def _check_whole(self) -> None:
+        if self.broken:
+            raise FabricError(f"instance {self.plan.id} is broken")
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """checked(), and a failure marks the member broken and leaves the world, so that every peer still
+        waiting on us fails at once too instead of after its timeout."""
+        self._check_whole()
+        try:
+            with checked(f"instance {self.plan.id}: {what}"):
+                yield
+        except FabricError:
+            self.broken = True
+            self.world.close()
+            raise
+
+    def snapshot(self) -> LedgerSnapshot:
+        """The arena's pages, with the KV counts of the instance's blocks (the leader's, or its last word)."""
+        own = self.arena.ledger.snapshot()
+        free, used = (self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free) if self.is_leader \
+            else (self.kv_free, self.kv_used)
+        blocks = self.blocks.num_pages
+        extension = max(0, blocks - own.pages_base)
+        return LedgerSnapshot(pages_total=own.pages_total, pages_slot=own.pages_slot, pages_kv_free=free,
+                              pages_kv_used=used, pages_base=blocks - extension, pages_extension=extension)

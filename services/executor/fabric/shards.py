@@ -1,0 +1,148 @@
+"""What one member of an instance holds: its decoder layers, and of each its tensor-parallel shard.
+
+Attention heads. Query heads are split in contiguous ranges that keep GQA groups whole, so every member
+runs ordinary grouped attention over its own KV heads:
+- TP ≤ KV heads: the KV heads are split as evenly as possible and each takes its query heads along; where
+  they don't divide (the default model: 3 KV heads, 9 query heads, TP2 → 2+1 KV heads, 6+3 query heads) the
+  split is uneven. vLLM refuses such a TP; an uneven split only costs balance, and TP2 of the default model
+  is worth having.
+- TP > KV heads: every KV head is replicated on TP / KV-heads members, which split its query heads, as vLLM
+  does; that needs TP to be a multiple of the KV heads and the group to split evenly.
+
+FFN (AMOEBAs §3.2). The intermediate width is cut into PIECES equal parts (PIECES = 4 serves TP1/2/4), each
+padded with zero channels up to the arena's alignment, and a TP-k member holds PIECES/k consecutive padded
+pieces: gate/up column-split, down row-split. Zero gate/up rows give silu(0)·0 = 0 and zero down columns
+add nothing, so the padded shards sum to exactly the unpadded FFN; and since the boundaries are the same
+for every TP degree, a later merge or split (AMOEBAs) never moves a weight inside a piece.
+
+`MemberCheckpoint` presents a checkpoint as the member sees it: a ModelConfig with its layers, heads and
+FFN width, and tensors sliced (and padded) to match, so DecoderModel, the arena, the variant store and the
+swapper work on a shard exactly as on a whole model.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from services.executor.engine.errors import ModelLoadError
+from services.executor.engine.memory.arena import ALIGN_BYTES
+from services.executor.engine.model.checkpoint import Checkpoint
+
+PIECES = 4
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q: range  # global query heads
+    kv: range  # global KV heads
+
+
+def head_shards(num_heads: int, num_kv_heads: int, tp: int) -> list[HeadShard]:
+    group = num_heads // num_kv_heads
+    if tp <= num_kv_heads:
+        return [HeadShard(range(kv.start * group, kv.stop * group), kv) for kv in even_ranges(num_kv_heads, tp)]
+    copies = tp // num_kv_heads
+    if tp % num_kv_heads or group % copies:
+        raise ModelLoadError("tensor parallelism", f"TP{tp} cannot split {num_heads} query heads over "
+                                                   f"{num_kv_heads} KV heads: above the KV heads, TP must be a "
+                                                   f"multiple of them that splits each group of {group} evenly")
+    per = group // copies
+    return [HeadShard(range(r * per, (r + 1) * per), range(r // copies, r // copies + 1)) for r in range(tp)]
+
+
+def even_ranges(total: int, parts: int) -> list[range]:
+    """`total` split in `parts` contiguous ranges, the larger ones first (7 in 3 → 3, 2, 2)."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def pieces_for(tp: int) -> int:
+    return math.lcm(PIECES, tp)
+
+
+def padded_piece(intermediate: int, pieces: int, itemsize: int) -> int:
+    """Channels of one padded FFN piece: the largest real piece, rounded up to the arena's alignment."""
+    multiple = max(1, ALIGN_BYTES // itemsize)
+    largest = -(-intermediate // pieces)
+    return -(-largest // multiple) * multiple
+
+
+def ffn_shard(intermediate: int, tp: int, rank: int, itemsize: int) -> tuple[list[range], int]:
+    """The real intermediate channels member `rank` holds (one range per piece, each followed by zero
+    padding up to the piece width) and that width."""
+    pieces = pieces_for(tp)
+    per_member = pieces // tp
+    real = even_ranges(intermediate, pieces)[rank * per_member:(rank + 1) * per_member]
+    return real, padded_piece(intermediate, pieces, itemsize)
+
+
+def pad_channels(w: torch.Tensor, real: list[range], width: int, dim: int) -> torch.Tensor:
+    """The channels `real` of `w` along `dim`, each range zero-padded to `width` channels."""
+    parts = []
+    for r in real:
+        piece = w.narrow(dim, r.start, len(r))
+        pad = list(piece.shape)
+        pad[dim] = width - len(r)
+        parts += [piece, piece.new_zeros(pad)]
+    return torch.cat(parts, dim=dim)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Member `rank` of a TP-`tp` instance, holding the global decoder layers `layers`."""
+    layers: tuple[int, ...]
+    tp: int = 1
+    rank: int = 0
+
+    def describe(self) -> str:
+        return f"layers {list(self.layers)} tp{self.tp}.{self.rank}"
+
+
+class MemberCheckpoint(Checkpoint):
+    """`checkpoint` as `shard` sees it: its config and its slices of every tensor, read lazily."""
+
+    def __init__(self, checkpoint: Checkpoint, shard: Shard, dtype: torch.dtype):
+        cfg = checkpoint.config
+        self.base, self.shard = checkpoint, shard
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if shard.tp > 1:
+            self.heads = head_shards(cfg.num_heads, cfg.num_kv_heads, shard.tp)[shard.rank]
+            self.ffn_real, self.ffn_width = ffn_shard(cfg.intermediate_size, shard.tp, shard.rank, itemsize)
+            local = replace(cfg, num_heads=len(self.heads.q), num_kv_heads=len(self.heads.kv),
+                            intermediate_size=self.ffn_width * len(self.ffn_real), num_layers=len(shard.layers))
+        else:
+            self.heads = None
+            local = replace(cfg, num_layers=len(shard.layers))
+        super().__init__(local, checkpoint.path, checkpoint._files)
+
+    def fingerprint(self) -> str:
+        return f"{self.base.fingerprint()}-{self.shard.describe()}"
+
+    def _read(self, name: str) -> torch.Tensor:
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return self.base.get(name)
+        layer, kind = self.shard.layers[int(parts[1])], parts[2]
+        full = self.base.get(f"layers.{layer}.{kind}")
+        if self.heads is None:
+            return full
+        hd = self.base.config.head_dim
+        q = slice(self.heads.q.start * hd, self.heads.q.stop * hd)
+        kv = slice(self.heads.kv.start * hd, self.heads.kv.stop * hd)
+        if kind in ("q_proj", "q_bias"):
+            return full[q]
+        if kind in ("k_proj", "v_proj", "k_bias", "v_bias"):
+            return full[kv]
+        if kind == "o_proj":
+            return full[:, q]
+        if kind in ("gate_proj", "up_proj"):
+            return pad_channels(full, self.ffn_real, self.ffn_width, 0)
+        if kind == "down_proj":
+            return pad_channels(full, self.ffn_real, self.ffn_width, 1)
+        return full  # the norms: every member applies them to the whole hidden state

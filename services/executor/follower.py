@@ -1,0 +1,121 @@
+"""An executor that follows its instance's leader: no scheduler, no requests, its part of every step.
+
+Its thread waits for the leader's steps and runs its layers or shards (InstanceMember). On the bus it is an
+executor like any other (telemetry, so the monitor sees it live and in which instance; ping and drain),
+but requests go to the leader: one that reaches it anyway is refused, and so is a morph, which an instance
+takes as a whole. When the instance breaks, `broken` is set and the process falls back to serving alone.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+from services.executor.fabric.member import InstanceMember
+from services.executor.fabric.world import FabricError
+from shared import subjects
+from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.config import ExecutorConfig, served_model_name
+from shared.errors import InvalidCommandError
+from shared.messages import (Admission, Command, CommandResult, DrainArgs, ErrorInfo, ExecutorTelemetry,
+                             GenerateRequest, KvPages, PingArgs)
+
+log = logging.getLogger(__name__)
+
+
+class FollowerService:
+    def __init__(self, config: ExecutorConfig, member: InstanceMember, max_model_len: int):
+        self.config, self.member, self.max_model_len = config, member, max_model_len
+        self.id = config.executor_id
+        self.instance = uuid.uuid4().hex
+        self.model_name = served_model_name(config.engine.model)
+        self.draining = False
+        self.broken = asyncio.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"{self.id}-follower", daemon=True)
+        self._bus: Bus | None = None
+        self._subs: list = []
+        self._telemetry_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, bus: Bus) -> None:
+        self._bus, self._loop = bus, asyncio.get_running_loop()
+        self._thread.start()
+        self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer),
+                      await bus.subscribe(subjects.command(self.id), Command, self._on_command)]
+        await bus.flush()
+        self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
+        log.info("executor %s follows %s in instance %s", self.id, self.member.leader, self.member.plan.id)
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop following. A thread blocked waiting for the leader is left to its timeout (it only reads)."""
+        self._stop.set()
+        for sub in self._subs:
+            await unsubscribe(sub)
+        if self._telemetry_task is not None:
+            self._telemetry_task.cancel()
+            await asyncio.gather(self._telemetry_task, return_exceptions=True)
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.member.follow_one()
+            except FabricError as exc:
+                log.warning("executor %s: instance %s is broken: %s", self.id, self.member.plan.id, exc)
+                self._loop.call_soon_threadsafe(self.broken.set)
+                return
+            except Exception:  # a bug in our part of a step leaves the instance without it: broken too
+                log.exception("executor %s: running the leader's step failed", self.id)
+                self.member.broken = True
+                self.member.world.close()
+                self._loop.call_soon_threadsafe(self.broken.set)
+                return
+
+    async def _on_infer(self, incoming: Incoming) -> None:
+        await incoming.reply(Admission(
+            request_id=incoming.message.request_id, executor=self.id, accepted=False,
+            error=ErrorInfo(type="unavailable", message=f"{self.id} follows {self.member.leader} in instance "
+                                                        f"{self.member.plan.id}: requests go to the leader")))
+
+    async def _on_command(self, incoming: Incoming) -> None:
+        cmd: Command = incoming.message
+        result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
+        try:
+            args = cmd.parsed_args()
+            if isinstance(args, PingArgs):
+                result.state = {"running": 0, "waiting": 0, "draining": self.draining, "leader": self.member.leader}
+            elif isinstance(args, DrainArgs):
+                self.draining = True
+                result.state = {"in_flight": 0}
+            else:
+                raise InvalidCommandError(f"{self.id} is a member of instance {self.member.plan.id}, which morphs "
+                                          f"as a whole, not one member at a time", "kind")
+        except InvalidCommandError as exc:
+            result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
+        if incoming.can_reply:
+            await incoming.reply(result)
+
+    async def _telemetry(self) -> None:
+        while True:
+            try:
+                await self._bus.publish(subjects.telemetry(self.id), self.telemetry())
+            except BusError:
+                pass
+            except Exception:
+                log.exception("executor %s: telemetry failed", self.id)
+            await asyncio.sleep(self.config.telemetry_interval_s)
+
+    def telemetry(self) -> ExecutorTelemetry:
+        member, ledger = self.member, self.member.snapshot()
+        plan = member.plan
+        return ExecutorTelemetry(
+            executor=self.id, instance=self.instance, time=time.time(), model=self.model_name,
+            max_model_len=self.max_model_len, block_size=self.config.engine.block_size,
+            page_bytes=member.arena.page_bytes,
+            kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot, pages_free=ledger.pages_kv_free,
+                       pages_used=ledger.pages_kv_used, pages_base=ledger.pages_base,
+                       pages_extension=ledger.pages_extension),
+            layers=[layer.bits for layer in plan.layers], swap_order=list(range(len(plan.layers))),
+            running=0, waiting=0, max_waiting=self.config.engine.max_waiting, preemptions=0, prompt_tokens=0,
+            generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=plan)

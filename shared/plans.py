@@ -1,0 +1,149 @@
+"""Instance plans: which executors serve one model copy together, and where each decoder layer runs.
+
+One shape everywhere (a `--plan` file, GET /v1/cluster's `instances`, the planner's output):
+`{"instances": [{"id", "leader", "members", "tp", "layers": [{"placement": [...], "bits": 16}, ...]}]}`.
+In a TP instance (tp > 1) every layer is sharded over all members; in a TP1 instance a layer's placement
+names the one member that computes it, or several replicas that split the batch rows between them.
+Pure: the executors, up and the tests check plans here, before any process group or model exists.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from shared.messages import InstancePlan, LayerPlan
+
+FULL_BITS = 16
+
+
+class PlanError(ValueError):
+    """A plan that cannot be served; the message names the field (`instances[1].layers[3].placement`)."""
+
+
+def alone(executor: str, num_layers: int, bits: int = FULL_BITS) -> InstancePlan:
+    """The TP1 instance of an executor outside any world (or left alone by its world's failure)."""
+    return InstancePlan(id=f"i-{executor}", leader=executor, members=[executor],
+                        layers=[LayerPlan(placement=[executor], bits=bits) for _ in range(num_layers)])
+
+
+def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BITS) -> list[InstancePlan]:
+    """`--tp K` (K = 1: `--executors N` alone): consecutive executors form N/K instances of TP degree K,
+    every layer at `bits` (`--static-bits`)."""
+    if tp < 1 or len(executors) % tp:
+        raise PlanError(f"--tp {tp} must divide the {len(executors)} executors into equal instances")
+    plans = []
+    for i in range(0, len(executors), tp):
+        members = executors[i:i + tp]
+        plans.append(InstancePlan(id=f"i{i // tp}", leader=members[0], members=members, tp=tp,
+                                  layers=[LayerPlan(placement=list(members), bits=bits) for _ in range(num_layers)]))
+    return plans
+
+
+def read_plan_file(path: str | Path, executors: list[str], num_layers: int | None) -> list[InstancePlan]:
+    """The plans of a JSON file, `id` and `leader` filled in where left out, checked against the world
+    (and against the model's depth, unless `num_layers` is None: `up` checks before any model is read)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read the plan file {path}: {exc}") from exc
+    return parse_plans(data, executors, num_layers)
+
+
+def parse_plans(data: object, executors: list[str], num_layers: int | None) -> list[InstancePlan]:
+    if not isinstance(data, dict) or not isinstance(data.get("instances"), list) or not data["instances"]:
+        raise PlanError('instances: expected {"instances": [an instance plan, ...]}')
+    plans = []
+    for i, raw in enumerate(data["instances"]):
+        where = f"instances[{i}]"
+        if not isinstance(raw, dict):
+            raise PlanError(f"{where}: expected an object")
+        members = raw.get("members")
+        if not isinstance(members, list) or not members:
+            raise PlanError(f"{where}.members: expected a list of executor ids")
+        filled = {"id": f"i{i}", "leader": members[0], **raw}
+        try:
+            plans.append(InstancePlan.model_validate(filled))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+            raise PlanError(f"{where}{field}: {err['msg']}") from None
+    check_plans(plans, executors, num_layers)
+    return plans
+
+
+def check_plans(plans: list[InstancePlan], executors: list[str], num_layers: int | None) -> None:
+    """Raise PlanError unless every executor serves in exactly one instance that can run as written."""
+    seen: dict[str, str] = {}
+    ids: set[str] = set()
+    for i, plan in enumerate(plans):
+        where = f"instances[{i}]"
+        if plan.id in ids:
+            raise PlanError(f"{where}.id: {plan.id!r} names two instances")
+        ids.add(plan.id)
+        if len(set(plan.members)) != len(plan.members):
+            raise PlanError(f"{where}.members: an executor is named twice")
+        for m in plan.members:
+            if m not in executors:
+                raise PlanError(f"{where}.members: {m!r} is not an executor (the executors are {executors})")
+            if m in seen:
+                raise PlanError(f"{where}.members: {m!r} is already a member of instance {seen[m]!r}")
+            seen[m] = plan.id
+        if plan.leader not in plan.members:
+            raise PlanError(f"{where}.leader: {plan.leader!r} is not one of its members")
+        if plan.tp not in (1, len(plan.members)):
+            raise PlanError(f"{where}.tp: {plan.tp} must be 1 or the number of members ({len(plan.members)})")
+        if num_layers is not None and len(plan.layers) != num_layers:
+            raise PlanError(f"{where}.layers: the model has {num_layers} decoder layers, the plan lists "
+                            f"{len(plan.layers)}")
+        for j, layer in enumerate(plan.layers):
+            _check_layer(f"{where}.layers[{j}].placement", plan, layer)
+        idle = [m for m in plan.members if not any(m in layer.placement for layer in plan.layers)]
+        if idle and plan.tp == 1 and len(plan.members) > 1:
+            raise PlanError(f"{where}.layers: member {idle[0]!r} computes no layer")
+    missing = [e for e in executors if e not in seen]
+    if missing:
+        raise PlanError(f"instances: executor {missing[0]!r} is in no instance")
+
+
+def _check_layer(where: str, plan: InstancePlan, layer: LayerPlan) -> None:
+    if len(set(layer.placement)) != len(layer.placement):
+        raise PlanError(f"{where}: an executor is named twice")
+    if any(m not in plan.members for m in layer.placement):
+        outsider = next(m for m in layer.placement if m not in plan.members)
+        raise PlanError(f"{where}: {outsider!r} is not a member of the instance")
+    if plan.tp > 1 and sorted(layer.placement) != sorted(plan.members):
+        raise PlanError(f"{where}: a TP{plan.tp} instance shards every layer over all its members")
+
+
+def plan_of(plans: list[InstancePlan], executor: str) -> InstancePlan:
+    return next(p for p in plans if executor in p.members)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive layers computed by the same executors."""
+    start: int
+    stop: int
+    placement: tuple[str, ...]
+
+
+def segments(plan: InstancePlan) -> list[Segment]:
+    out: list[Segment] = []
+    for index, layer in enumerate(plan.layers):
+        placement = tuple(layer.placement)
+        if out and out[-1].placement == placement and out[-1].stop == index:
+            out[-1] = Segment(out[-1].start, index + 1, placement)
+        else:
+            out.append(Segment(index, index + 1, placement))
+    return out
+
+
+def layers_on(plan: InstancePlan, executor: str) -> list[int]:
+    """The decoder layers `executor` holds weights (and computes KV) for."""
+    return [i for i, layer in enumerate(plan.layers) if executor in layer.placement]
+
+
+def plans_json(plans: list[InstancePlan]) -> dict:
+    return {"instances": [p.model_dump() for p in plans]}

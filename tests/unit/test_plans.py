@@ -1,0 +1,223 @@
+"""shared/plans.py: the instance shapes of `--tp` and `--executors`, and what a `--plan` file may say."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.messages import InstancePlan, LayerPlan
+from shared.plans import (PlanError, alone, check_plans, layers_on, parse_plans, plan_of, plans_json, read_plan_file,
+                          segments, tp_plans)
+
+EXECS = ["exec0", "exec1", "exec2", "exec3"]
+
+
+def instance(members: list[str], placements: list[list[str]], tp: int = 1, bits: list[int] | None = None,
+             **extra) -> dict:
+    """One instance of a plan file, as JSON, with `id` and `leader` left out unless given."""
+    bits = bits or [16] * len(placements)
+    return {"members": members, "tp": tp, "layers": [{"placement": p, "bits": b} for p, b in zip(placements, bits)],
+            **extra}
+
+
+def all_on(members: list[str], layers: int) -> list[list[str]]:
+    return [list(members) for _ in range(layers)]
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+# --- the shapes of --tp and --executors -------------------------------------------------------------
+
+def test_tp_plans_group_consecutive_executors_led_by_the_first():
+    plans = tp_plans(EXECS, 2, 3)
+    assert [(p.id, p.leader, p.members, p.tp) for p in plans] == [("i0", "exec0", ["exec0", "exec1"], 2),
+                                                                   ("i1", "exec2", ["exec2", "exec3"], 2)]
+    for p in plans:
+        assert [layer.placement for layer in p.layers] == [p.members] * 3
+        assert {layer.bits for layer in p.layers} == {16}
+    assert plan_of(plans, "exec3") is plans[1]
+    (whole,) = tp_plans(EXECS, 4, 2)
+    assert whole.members == EXECS and whole.tp == 4 and whole.leader == "exec0"
+
+
+def test_tp1_plans_make_every_executor_an_instance_of_its_own_at_the_given_bits():
+    plans = tp_plans(EXECS[:3], 1, 2, bits=8)
+    assert [(p.id, p.leader, p.members, p.tp) for p in plans] == [
+        (f"i{i}", e, [e], 1) for i, e in enumerate(EXECS[:3])]
+    assert all(layers_on(p, p.leader) == [0, 1] for p in plans)
+    assert {layer.bits for p in plans for layer in p.layers} == {8}
+
+
+def test_an_executor_alone_is_a_tp1_instance_named_after_it():
+    lone = alone("exec2", 3, bits=4)
+    assert (lone.id, lone.leader, lone.members, lone.tp) == ("i-exec2", "exec2", ["exec2"], 1)
+    assert [(layer.placement, layer.bits) for layer in lone.layers] == [(["exec2"], 4)] * 3
+    check_plans([lone], ["exec2"], 3)
+
+
+@pytest.mark.parametrize("tp", [0, 3, 5])
+def test_tp_must_divide_the_executors(tp):
+    with pytest.raises(PlanError, match=f"--tp {tp} must divide the 4 executors"):
+        tp_plans(EXECS, tp, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 6))
+def test_tp_plans_pass_their_own_checks_and_survive_a_round_trip_through_json(instances, tp, layers):
+    executors = [f"exec{i}" for i in range(instances * tp)]
+    plans = tp_plans(executors, tp, layers)
+    check_plans(plans, executors, layers)
+    assert sorted(m for p in plans for m in p.members) == sorted(executors)
+    assert parse_plans(json.loads(json.dumps(plans_json(plans))), executors, layers) == plans
+
+
+# --- plan files: what is filled in ------------------------------------------------------------------
+
+def test_a_plan_file_without_id_and_leader_gets_i_n_and_its_first_member(tmp_path):
+    path = write(tmp_path, {"instances": [
+        instance(["exec1", "exec0"], all_on(["exec1", "exec0"], 2), tp=2),
+        instance(["exec2", "exec3"], [["exec2"], ["exec3"], ["exec2", "exec3"]], bits=[8, 4, 16]),
+    ]})
+    first, second = read_plan_file(path, EXECS, None)
+    assert (first.id, first.leader, first.tp) == ("i0", "exec1", 2)
+    assert (second.id, second.leader, second.tp) == ("i1", "exec2", 1)
+    assert [layer.bits for layer in second.layers] == [8, 4, 16]
+    # Given ones are kept.
+    path = write(tmp_path, {"instances": [instance(EXECS, all_on(EXECS, 1), tp=4, id="big", leader="exec3")]})
+    (only,) = read_plan_file(path, EXECS, 1)
+    assert (only.id, only.leader) == ("big", "exec3")
+
+
+def test_the_layer_count_is_checked_only_when_known(tmp_path):
+    path = write(tmp_path, {"instances": [instance(["exec0"], all_on(["exec0"], 3))]})
+    assert len(read_plan_file(path, ["exec0"], None)[0].layers) == 3
+    assert len(read_plan_file(path, ["exec0"], 3)[0].layers) == 3
+    with pytest.raises(PlanError, match=r"^instances\[0\]\.layers: the model has 4 decoder layers, the plan lists 3"):
+        read_plan_file(path, ["exec0"], 4)
+
+
+# --- plan files: every rejection names its field ----------------------------------------------------
+
+TWO = ["exec0", "exec1"]
+
+REJECTED = [
+    # (the executors, the instances, the start of the message: the field, then why)
+    (TWO, [instance(["exec0", "exec9"], all_on(["exec0", "exec9"], 2), tp=2),
+           instance(["exec1"], all_on(["exec1"], 2))],
+     r"instances\[0\]\.members: 'exec9' is not an executor"),
+    (TWO, [instance(TWO, all_on(TWO, 2), tp=2), instance(["exec1"], all_on(["exec1"], 2))],
+     r"instances\[1\]\.members: 'exec1' is already a member of instance 'i0'"),
+    (EXECS, [instance(TWO, all_on(TWO, 2), tp=2, leader="exec2")],
+     r"instances\[0\]\.leader: 'exec2' is not one of its members"),
+    (EXECS, [instance(EXECS[:3], all_on(EXECS[:3], 2), tp=2), instance(["exec3"], all_on(["exec3"], 2))],
+     r"instances\[0\]\.tp: 2 must be 1 or the number of members \(3\)"),
+    (EXECS, [instance(TWO, all_on(TWO, 2), tp=2, id="x"), instance(EXECS[2:], all_on(EXECS[2:], 2), tp=2, id="x")],
+     r"instances\[1\]\.id: 'x' names two instances"),
+    (TWO, [instance(["exec0"], [["exec0"], ["exec0", "exec1"]]), instance(["exec1"], all_on(["exec1"], 2))],
+     r"instances\[0\]\.layers\[1\]\.placement: 'exec1' is not a member of the instance"),
+    (TWO, [instance(TWO, [TWO, ["exec0"]], tp=2)],
+     r"instances\[0\]\.layers\[1\]\.placement: a TP2 instance shards every layer over all its members"),
+    (TWO, [instance(TWO, [["exec0", "exec0"], ["exec1"]])],
+     r"instances\[0\]\.layers\[0\]\.placement: an executor is named twice"),
+    (TWO, [instance(TWO, [["exec0"], ["exec0"]])],
+     r"instances\[0\]\.layers: member 'exec1' computes no layer"),
+    (TWO, [instance(["exec0"], all_on(["exec0"], 3), bits=[16, 2, 16]),
+           instance(["exec1"], all_on(["exec1"], 3))],
+     r"instances\[0\]\.layers\[1\]\.bits: "),
+    (TWO, [instance(["exec0"], [[]]), instance(["exec1"], all_on(["exec1"], 1))],
+     r"instances\[0\]\.layers\[0\]\.placement: "),
+    (TWO, [instance(TWO, all_on(TWO, 1), tp=0)], r"instances\[0\]\.tp: "),
+    (TWO, [{"members": TWO, "tp": 2}], r"instances\[0\]\.layers: Field required"),
+    (TWO, [{"tp": 2, "layers": [{"placement": TWO}]}], r"instances\[0\]\.members: expected a list of executor ids"),
+    (TWO, [instance(["exec0", "exec0", "exec1"], all_on(TWO, 1))], r"instances\[0\]\.members: an executor is named twice"),
+    (TWO, [instance(TWO, all_on(TWO, 1), tp=2, shards=2)], r"instances\[0\]\.shards: "),
+    (TWO, [instance(["exec0"], all_on(["exec0"], 2))], r"instances: executor 'exec1' is in no instance"),
+    (TWO, ["exec0"], r"instances\[0\]: expected an object"),
+    (TWO, [], r"instances: expected"),
+]
+
+
+@pytest.mark.parametrize("executors, instances, message", REJECTED)
+def test_a_plan_that_cannot_be_served_is_refused_naming_the_field(tmp_path, executors, instances, message):
+    with pytest.raises(PlanError, match=f"^{message}"):
+        read_plan_file(write(tmp_path, {"instances": instances}), executors, None)
+
+
+def test_a_placement_outside_the_members_is_refused_in_a_tp1_instance_of_several(tmp_path):
+    path = write(tmp_path, {"instances": [instance(TWO, [["exec0"], ["exec1"], ["exec2"]]),
+                                          instance(EXECS[2:], all_on(EXECS[2:], 3), tp=2)]})
+    with pytest.raises(PlanError, match=r"^instances\[0\]\.layers\[2\]\.placement: 'exec2' is not a member"):
+        read_plan_file(path, EXECS, None)
+
+
+@pytest.mark.parametrize("text", ["not json", "{\"instances\": ", "[1, 2]", "{\"plans\": []}", "{\"instances\": {}}"])
+def test_a_file_that_is_not_a_plan_is_refused(tmp_path, text):
+    with pytest.raises(PlanError, match=r"cannot read the plan file|^instances: expected"):
+        read_plan_file(write(tmp_path, text), TWO, None)
+
+
+def test_a_missing_plan_file_is_refused_with_its_path(tmp_path):
+    with pytest.raises(PlanError, match=f"cannot read the plan file {tmp_path / 'nope.json'}"):
+        read_plan_file(tmp_path / "nope.json", TWO, None)
+
+
+# --- segments and layers_on -------------------------------------------------------------------------
+
+def plan(placements: list[list[str]], members: list[str] | None = None, tp: int = 1) -> InstancePlan:
+    members = members or sorted({m for p in placements for m in p})
+    return InstancePlan(id="i0", leader=members[0], members=members, tp=tp,
+                        layers=[LayerPlan(placement=p) for p in placements])
+
+
+def test_segments_are_runs_of_layers_on_the_same_executors():
+    p = plan([["exec0"], ["exec0"], ["exec1"], ["exec0", "exec1"], ["exec0", "exec1"], ["exec0"]])
+    assert [(s.start, s.stop, s.placement) for s in segments(p)] == [
+        (0, 2, ("exec0",)), (2, 3, ("exec1",)), (3, 5, ("exec0", "exec1")), (5, 6, ("exec0",))]
+    assert layers_on(p, "exec0") == [0, 1, 3, 4, 5]
+    assert layers_on(p, "exec1") == [2, 3, 4]
+    assert layers_on(p, "exec7") == []
+    (whole,) = segments(tp_plans(TWO, 2, 4)[0])
+    assert (whole.start, whole.stop, whole.placement) == (0, 4, tuple(TWO))
+    assert segments(plan([], members=["exec0"])) == []
+
+
+placements = st.lists(st.lists(st.sampled_from(EXECS), min_size=1, max_size=4, unique=True), max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(placements.filter(bool))
+def test_segments_cover_every_layer_once_in_order_and_neighbours_differ(layers):
+    p = plan(layers)
+    found = segments(p)
+    assert found[0].start == 0 and found[-1].stop == len(layers)
+    for before, after in zip(found, found[1:]):
+        assert before.stop == after.start and before.placement != after.placement
+    for s in found:
+        assert s.start < s.stop
+        assert all(tuple(layers[i]) == s.placement for i in range(s.start, s.stop))
+    for member in EXECS:
+        held = [i for s in found if member in s.placement for i in range(s.start, s.stop)]
+        assert layers_on(p, member) == held
+
+
+@settings(max_examples=200, deadline=None)
+@given(placements.filter(bool), st.lists(st.sampled_from([16, 8, 4]), min_size=24, max_size=24))
+def test_a_tp1_plan_is_accepted_exactly_when_each_member_computes_a_layer(layers, bits):
+    members = sorted({m for p in layers for m in p})
+    others = [e for e in EXECS if e not in members]
+    data = {"instances": [{"members": members, "layers": [{"placement": p, "bits": b} for p, b in zip(layers, bits)]},
+                          *({"members": [e], "layers": [{"placement": [e]}] * len(layers)} for e in others)]}
+    plans = parse_plans(data, EXECS, len(layers))
+    assert plans[0].leader == members[0] and [layer.bits for layer in plans[0].layers] == bits[:len(layers)]
+    # A member that computes nothing is refused.
+    idle = [e for e in EXECS if e not in members]
+    if idle:
+        data["instances"] = [{"members": [*members, idle[0]], "layers": data["instances"][0]["layers"]},
+                             *({"members": [e], "layers": [{"placement": [e]}] * len(layers)} for e in idle[1:])]
+        with pytest.raises(PlanError, match=rf"^instances\[0\]\.layers: member '{idle[0]}' computes no layer"):
+            parse_plans(data, EXECS, len(layers))

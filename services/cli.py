@@ -15,7 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.up", "start nats-server, monitor, controller, executors and a gateway on one machine"),
     "gateway": ("services.gateway.app", "the OpenAI-compatible HTTP front end"),
-    "executor": ("services.executor.service", "one engine on one device, serving requests from the bus"),
+    "executor": ("services.executor.process", "one engine on one device, serving requests from the bus"),
     "monitor": ("services.monitor.service", "turns executor telemetry into the cluster state"),
     "controller": ("services.controller.service", "quantizes layers under load and restores them after (MorphServe)"),
     "bench-engine": ("services.executor.tools.bench_engine",

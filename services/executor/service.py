@@ -4,41 +4,31 @@ This side is thin on purpose. The engine runs in its own thread (worker.py); her
 receives requests, cancels and commands, answers commands and tokenizer requests, publishes
 telemetry, and runs the one ordered, bounded outbox (outbox.py) through which everything the engine
 thread sends leaves, so that a request's Admission reply is always written before its first TokenBatch.
-
-`--static-bits 8|4` quantizes every decoder layer once, after the engine loads and before the
-executor serves: the static INT8/INT4 baselines that morphing is measured against. It goes through
-the same swapper as the controller's commands, so the freed slot tails become KV pages exactly as
-they do under morphing, and the baselines differ from morphing only in when the bits change.
+The process around it (flags, the world, roles) is process.py.
 """
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 
 from services.executor.engine.errors import EngineError, QueueFullError
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
 from shared import subjects
-from shared.bus import BadMessage, Bus, BusError, Incoming, stop_on_signals, unsubscribe
-from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds, served_model_name
+from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
+from shared.config import ExecutorConfig, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
                              ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, InstancePlan, KvPages, PingArgs,
                              QuantizeArgs, RestoreArgs, TokenizeReply, TokenizeRequest)
-from shared.plans import PlanError, alone, plan_of, read_plan_file, tp_plans
-from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
 COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
-FULL_PRECISION = 16  # --static-bits 16: the dtype as loaded, whatever its width (float32 on CPU)
 
 
 def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
@@ -261,203 +251,3 @@ class ExecutorService:
         except Exception:  # a flaky NVML read must not cost the heartbeat
             log.debug("reading GPU stats failed", exc_info=True)
             return None
-
-
-# --- process ------------------------------------------------------------------------------------
-def apply_static_bits(engine, executor_id: str, plan: InstancePlan) -> None:
-    """Quantize the decoder layers to the bits `plan` gives them before serving (--static-bits, or a plan
-    file); FULL_PRECISION leaves a layer as loaded."""
-    by_bits: dict[int, list[int]] = {}
-    for index, layer in enumerate(plan.layers):
-        if layer.bits != FULL_PRECISION:
-            by_bits.setdefault(layer.bits, []).append(index)
-    for bits, layers in by_bits.items():
-        before = engine.arena.ledger.snapshot()
-        report = engine.swapper.set_bits(layers, bits)
-        after = engine.arena.ledger.snapshot()
-        log.info("executor %s: static INT%d: %d layers quantized in %.1f s, %d KV pages gained (%d -> %d, "
-                 "%d more tokens)", executor_id, bits, len(report.layers), report.seconds, report.pages_released,
-                 before.pages_kv, after.pages_kv, report.pages_released * engine.config.block_size)
-
-
-def swap_order(engine, choice: str) -> list[int]:
-    """The order count-based quantize commands and the controller take layers in: "auto" is the model's
-    LIS profile (shipped for the default model, else cached, else profiled now on WikiText-2), "front"
-    is front to back, anything else a `morphling profile` JSON file."""
-    from services.executor.engine.morphing.swapper import SwapError
-    from services.executor.tools.profile import MissingCorpusError, swap_order_for
-
-    if choice == "front":
-        return list(range(engine.model_config.num_layers))
-    if choice != "auto":
-        try:
-            return list(read_swap_order(choice))
-        except ValueError as exc:
-            raise SwapError(str(exc)) from exc
-    try:
-        return swap_order_for(engine)
-    except MissingCorpusError as exc:
-        log.warning("no layer-importance profile (%s): layers are quantized front to back", exc)
-        return list(range(engine.model_config.num_layers))
-
-
-def _parse_args(argv: list[str]) -> argparse.Namespace:
-    d = EngineConfig()
-    p = argparse.ArgumentParser(prog="morphling executor", description="serve one model on one device")
-    p.add_argument("--nats", default=ExecutorConfig.nats_url, help="NATS URL (default %(default)s)")
-    p.add_argument("--id", default=ExecutorConfig.executor_id, help="executor id (default %(default)s)")
-    p.add_argument("--model", default=d.model, help="'default', a Hugging Face directory or a .gguf file")
-    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default %(default)s)")
-    p.add_argument("--memory-budget", type=parse_size, default=d.memory_budget, help="page arena size, e.g. 1GiB")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--static-bits", type=int, default=FULL_PRECISION, choices=(FULL_PRECISION, 8, 4),
-                   help="bits of every decoder layer, fixed from the start: 8 or 4 are the static "
-                        "baselines, 16 is full precision as loaded (default %(default)s)")
-    p.add_argument("--swap-order", default="auto", metavar="auto|front|PATH",
-                   help="the order layers are quantized in: auto, the model's LIS profile (computed and cached "
-                        "at the first start when none ships for it); front, front to back; or a `morphling "
-                        "profile` JSON file (default %(default)s)")
-    p.add_argument("--lazy-variants", action="store_true",
-                   help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
-    p.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish at shutdown (default %(default)s)")
-    p.add_argument("--bus-outage", type=seconds(), default=ExecutorConfig.bus_outage_s, metavar="SECONDS",
-                   help="abort every request in flight once the bus has been gone this long (default %(default)s)")
-    p.add_argument("--max-queue-wait", type=seconds(allow_zero=True), default=ExecutorConfig.max_queue_wait_s,
-                   metavar="SECONDS",
-                   help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
-                        "(default %(default)s)")
-    world = p.add_argument_group("instances across executors", "without a world of several executors, this "
-                                 "executor serves the whole model alone")
-    world.add_argument("--dist-url", help="the world's rendezvous, tcp://HOST:PORT, hosted by rank 0 "
-                                          "(default $MORPHLING_DIST_URL)")
-    world.add_argument("--rank", type=int, help="this executor's rank in the world (default $MORPHLING_RANK)")
-    world.add_argument("--world-size", type=int, help="executors in the world (default $MORPHLING_WORLD_SIZE, else 1)")
-    world.add_argument("--dist-timeout", type=seconds(), default=30.0, metavar="SECONDS",
-                       help="how long any collective waits for a peer before the instance is called broken "
-                            "(default %(default)s)")
-    shape = world.add_mutually_exclusive_group()
-    shape.add_argument("--tp", type=int, default=_env_int("MORPHLING_TP"),
-                       help="tensor-parallel degree: consecutive ranks form instances of this many (default "
-                            "$MORPHLING_TP, else 1)")
-    shape.add_argument("--plan", default=os.environ.get("MORPHLING_PLAN") or None,
-                       help="a JSON file of instance plans (default $MORPHLING_PLAN)")
-    p.add_argument("--threads", type=int, help="torch threads of this executor (default: torch's own choice)")
-    return p.parse_args(argv)
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
-def main(argv: list[str]) -> int:
-    args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("executor")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine_config = replace(EngineConfig(), model=args.model, device=args.device, memory_budget=args.memory_budget,
-                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_waiting=args.max_waiting, block_size=args.block_size,
-                            prepare_variants=not args.lazy_variants)
-    config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config,
-                            bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait)
-    from services.executor.fabric.world import FabricError
-
-    try:
-        role, world = start_role(args, config)
-    except (EngineError, PlanError, ValueError) as exc:  # FabricError is an EngineError
-        log.error("executor %s cannot start: %s", config.executor_id, exc)
-        return 1
-
-    async def serve() -> None:
-        nonlocal role
-        bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
-        stopping = stop_on_signals()
-        await role.start(bus)
-        while True:
-            waits = [asyncio.create_task(stopping.wait()), asyncio.create_task(role.broken.wait())]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in waits:
-                task.cancel()
-            if stopping.is_set():
-                break
-            # A member is gone and a world cannot be rejoined: serve the whole model alone from here on.
-            log.warning("executor %s: its instance is broken; serving alone as a TP1 instance", config.executor_id)
-            await role.stop(0.0)
-            world.close()
-            role = None
-            try:
-                role = await asyncio.to_thread(solo_role, args, config)
-            except EngineError as exc:
-                log.error("executor %s cannot serve alone: %s", config.executor_id, exc)
-                raise FabricError(str(exc)) from exc
-            await role.start(bus)
-        log.info("executor %s: stopping; no new requests", config.executor_id)
-        await role.stop(args.drain_timeout)
-        await bus.close()
-
-    try:
-        asyncio.run(serve())
-    except (BusError, FabricError) as exc:
-        log.error("executor %s: %s", config.executor_id, exc)
-        return 1
-    return 0
-
-
-def start_role(args: argparse.Namespace, config: ExecutorConfig):
-    """Join the world (when there is one), find our instance, and build what we are in it: the service
-    of an engine (alone, or leading an instance) or a follower. Returns it and the world (or None)."""
-    from services.executor.engine.engine import LLMEngine, model_len
-    from services.executor.engine.model.loader import load_checkpoint
-    from services.executor.fabric.world import World, WorldSettings
-
-    settings = WorldSettings.from_args(args.dist_url, args.rank, args.world_size, args.dist_timeout)
-    if settings is None:
-        if args.tp not in (None, 1) or args.plan:
-            raise PlanError("--tp above 1 and --plan need a world of executors: --dist-url, --rank and --world-size")
-        return solo_role(args, config), None
-    world = World.join(settings, config.executor_id, config.engine.device)
-    checkpoint = load_checkpoint(config.engine.model)
-    num_layers = checkpoint.config.num_layers
-    if args.plan:
-        plans = read_plan_file(args.plan, world.names, num_layers)
-    else:
-        plans = tp_plans(world.names, args.tp or 1, num_layers, bits=args.static_bits)
-    world.create_groups(plans)
-    plan = plan_of(plans, config.executor_id)
-    if len(plan.members) == 1:
-        return solo_role(args, config, plan), world
-    from services.executor.fabric.member import InstanceMember, Seat
-
-    seat = Seat(world, plan, config.executor_id)
-    if plan.leader == config.executor_id:
-        return ExecutorService(config, LLMEngine(config.engine, progress=False, seat=seat), plan), world
-    from services.executor.engine.engine import DTYPES
-    from services.executor.follower import FollowerService
-
-    max_model_len = model_len(config.engine, checkpoint.config)
-    member = InstanceMember(seat, config.engine, checkpoint, DTYPES[config.engine.resolved_dtype()], max_model_len,
-                            progress=False)
-    return FollowerService(config, member, max_model_len), world
-
-
-def solo_role(args: argparse.Namespace, config: ExecutorConfig, plan: InstancePlan | None = None) -> "ExecutorService":
-    """An executor that holds the whole model: `plan` is its TP1 instance in a world, else one of its own."""
-    from services.executor.engine.engine import LLMEngine
-
-    engine = LLMEngine(config.engine, progress=False)
-    plan = plan or alone(config.executor_id, engine.model_config.num_layers, args.static_bits)
-    service = ExecutorService(config, engine, plan)
-    # Before the worker thread starts, so the engine is still ours alone; the profile reads the
-    # full-precision weights, so it comes before any static quantization.
-    engine.swapper.swap_order = swap_order(engine, args.swap_order)
-    log.info("executor %s: swap order %s", config.executor_id, engine.swapper.swap_order)
-    apply_static_bits(engine, config.executor_id, plan)
-    return service

@@ -322,7 +322,7 @@ def test_request_spans_join_the_gateway_trace(nats_server, tiny, spans):
 
 def test_main_serves_until_sigterm_then_finishes_in_flight_work(nats_server, tiny):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", "import sys; from services.executor.service import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from services.executor.process import main; sys.exit(main(sys.argv[1:]))",
            "--nats", nats_server.url, "--id", EXEC, "--model", tiny.config.model, "--memory-budget", "4MiB",
            "--block-size", "8", "--max-model-len", "256"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

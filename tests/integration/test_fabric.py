@@ -13,7 +13,6 @@ leader serves the next request as a TP1 instance of its own, and every executor'
 """
 
 import concurrent.futures
-import json
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ import openai
 import pytest
 
 from services.executor.engine.engine import LLMEngine
-from shared.config import EngineConfig, parse_size, served_model_name
+from shared.config import PROJECT_ROOT, EngineConfig, parse_size, served_model_name
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama_8kv
 from tests.up_process import UpProcess
@@ -95,31 +94,21 @@ def test_a_tp_instance_of_a_tiny_model_generates_what_one_executor_does(tiny, tm
     assert all(layer == {"placement": members, "bits": 16} for layer in instance["layers"])
 
 
-def placement(*runs: tuple[range, list[str]]) -> dict:
-    layers = [None] * 30
-    for span, where in runs:
-        for i in span:
-            layers[i] = {"placement": where}
-    return {"instances": [{"members": ["exec0", "exec1"], "layers": layers}]}
+PLANS = PROJECT_ROOT / "deploy" / "plans"  # the shipped examples, served as a user would
 
 
 @pytest.mark.parametrize("shape", ["tp2", "layers 10-19 on exec1", "replicas of 0-14 on exec1"])
 def test_the_default_model_across_two_executors_generates_what_one_executor_does(tmp_path, shape):
-    if shape == "tp2":
-        flags = ("--tp", "2")
-    else:
-        plan = (placement((range(0, 10), ["exec0"]), (range(10, 20), ["exec1"]), (range(20, 30), ["exec0"]))
-                if shape.startswith("layers") else
-                placement((range(0, 15), ["exec0", "exec1"]), (range(15, 30), ["exec0"])))
-        path = tmp_path / "plan.json"
-        path.write_text(json.dumps(plan))
-        flags = ("--plan", str(path))
+    flags = {"tp2": ("--tp", "2"),
+             "layers 10-19 on exec1": ("--plan", str(PLANS / "default-layers-10-19-on-exec1.json")),
+             "replicas of 0-14 on exec1": ("--plan", str(PLANS / "default-replicas-0-14-on-exec1.json"))}[shape]
     concurrent_prompts = PROMPTS if shape.startswith("replicas") else PROMPTS[:3]
     expected = alone("default", DEFAULT_FLAGS, concurrent_prompts)
-    up = serve(tmp_path / "up", "default", DEFAULT_FLAGS, "--executors", "2", *flags)
+    up = serve(tmp_path, "default", DEFAULT_FLAGS, "--executors", "2", *flags)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(concurrent_prompts)) as pool:
             got = list(pool.map(lambda p: complete(up.url, "SmolLM2-135M-Instruct", p), concurrent_prompts))
+        time.sleep(1.5)  # a keepalive tells the follower the blocks' state after the last step
         state = cluster(up.url)
     finally:
         up.interrupt(STOP_TIMEOUT_S)
@@ -128,6 +117,10 @@ def test_the_default_model_across_two_executors_generates_what_one_executor_does
     assert instance["members"] == ["exec0", "exec1"] and instance["leader"] == "exec0"
     roles = {e["id"]: e["role"] for e in state["executors"]}
     assert roles == {"exec0": "leader", "exec1": "follower"}
+    # Both members report the instance's KV blocks, all of them free again.
+    kv = {e["id"]: e["kv"] for e in state["executors"]}
+    assert kv["exec0"]["pages_used"] == kv["exec1"]["pages_used"] == 0
+    assert kv["exec0"]["pages_free"] == kv["exec1"]["pages_free"] > 0
 
 
 def test_killing_a_tp2_member_mid_stream_ends_the_stream_with_an_error_and_the_leader_serves_alone(tiny, tmp_path):

@@ -62,7 +62,7 @@ class InstanceMember:
         self.local_index = {layer: i for i, layer in enumerate(layers)}
         self.shard = Shard(tuple(layers), plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
         view = MemberCheckpoint(checkpoint, self.shard, dtype)
-        cfg = self.local_config = view.config
+        cfg = view.config
         self.group = world.group(plan.members)
         geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
         self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device)
@@ -102,7 +102,6 @@ class InstanceMember:
     # --- the leader's side ------------------------------------------------------------------------
     def lead(self, step: wire.StepPlan) -> torch.Tensor:
         """Send `step` to the members and run our part; the logits of the step's sampled rows."""
-        step.kv_free, step.kv_used = self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free
         self._send_step(step)
         return self.execute(step)
 
@@ -111,6 +110,7 @@ class InstanceMember:
             self._send_step(wire.StepPlan(wire.KEEPALIVE))
 
     def _send_step(self, step: wire.StepPlan) -> None:
+        step.kv_free, step.kv_used = self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free
         flat = wire.encode(step)
         with self._collective("sending a step"):
             dist.broadcast(torch.tensor([flat.numel()], dtype=torch.int64), self.world.rank_of(self.leader),

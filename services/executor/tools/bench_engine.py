@@ -1,4 +1,5 @@
-"""`morphling bench-engine`: offline generation throughput, our engine vs transformers.generate.
+"""`morphling bench-engine`: offline generation throughput, our engine vs transformers.generate (or, with
+`--executors N`, one instance across N executors vs one executor alone: bench_fabric.py).
 
 Both generate exactly `--new-tokens` greedy tokens for each of the same ShareGPT prompts (chat-templated,
 EOS ignored), on the same weights, dtype and machine, one batch size after another. transformers runs
@@ -96,7 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--memory-budget", default="2GiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    fabric = ap.add_argument_group("one instance across executors", "compare it with one executor alone instead "
+                                   "of with transformers (services/executor/tools/bench_fabric.py)")
+    fabric.add_argument("--executors", type=int, default=1, help="processes the instance spans")
+    shape = fabric.add_mutually_exclusive_group()
+    shape.add_argument("--tp", type=int, help="tensor-parallel degree (default: --executors)")
+    shape.add_argument("--plan", type=Path, help="an instance plan file over exec0..exec<N-1> (exec0 leads)")
     args = ap.parse_args(argv)
+    if args.executors > 1:
+        from services.executor.tools.bench_fabric import run
+
+        args.tp = args.tp or (None if args.plan else args.executors)
+        return run(args)
     args.out.mkdir(parents=True, exist_ok=True)
 
     engine = LLMEngine(EngineConfig(model=args.model, memory_budget=parse_size(args.memory_budget),

@@ -58,11 +58,9 @@ def backend_for(device: str) -> str:
 
 
 class World:
-    def __init__(self, settings: WorldSettings, names: list[str], backend: str):
+    def __init__(self, settings: WorldSettings, names: list[str]):
         self.settings = settings
-        self.rank = settings.rank
         self.names = names  # executor id of each rank
-        self.backend = backend
         self._groups: dict[tuple[int, ...], object] = {}
 
     @classmethod
@@ -80,7 +78,7 @@ class World:
             raise FabricError(f"joining the world at {settings.url} failed: {exc}") from exc
         if len(set(names)) != len(names):
             raise FabricError(f"two executors of the world share an id: {names}")
-        return cls(settings, names, backend)
+        return cls(settings, names)
 
     @staticmethod
     def _timeout(settings: WorldSettings) -> datetime.timedelta:

@@ -57,22 +57,27 @@ def run(args) -> dict:
                for count in args.batches.split(",")]
     print(f"one executor alone ({cores} threads) ...", flush=True)
     single = measure(alone, batches, args.new_tokens)
+    kv_alone = alone.stats().ledger.pages_kv
     del alone
     threads = max(1, cores // args.executors)
     print(f"{label} over {args.executors} executors ({threads} threads each) ...", flush=True)
     with instance_engine(config, shape, threads=threads) as leader:
         spread = measure(leader, batches, args.new_tokens)
+        kv_instance = leader.stats().ledger.pages_kv
     rows = []
-    print(f"{'prompts':>8} {'alone tok/s':>12} {label + ' tok/s':>14} {'alone ms/step':>14} "
-          f"{label + ' ms/step':>16} {'ratio':>6} {'same tokens':>12}")
+    print(f"instance: {label} over {args.executors} executors")
+    print(f"{'prompts':>8} {'alone tok/s':>12} {'instance tok/s':>15} {'alone ms/step':>14} "
+          f"{'instance ms/step':>17} {'ratio':>6} {'same tokens':>12}")
     for a, s in zip(single, spread):
         row = dict(prompts=a["prompts"], alone_tok_s=a["tok_s"], instance_tok_s=s["tok_s"], alone_step_ms=a["step_ms"],
                    instance_step_ms=s["step_ms"], ratio=s["tok_s"] / a["tok_s"], same_tokens=a["tokens"] == s["tokens"])
         rows.append(row)
-        print(f"{row['prompts']:>8} {row['alone_tok_s']:>12.1f} {row['instance_tok_s']:>14.1f} "
-              f"{row['alone_step_ms']:>14.1f} {row['instance_step_ms']:>16.1f} {row['ratio']:>5.2f}x "
+        print(f"{row['prompts']:>8} {row['alone_tok_s']:>12.1f} {row['instance_tok_s']:>15.1f} "
+              f"{row['alone_step_ms']:>14.1f} {row['instance_step_ms']:>17.1f} {row['ratio']:>5.2f}x "
               f"{str(row['same_tokens']):>12}", flush=True)
-    result = dict(rows=rows, shape=dict(executors=args.executors, tp=shape.tp, plan=shape.plan_file, label=label),
+    print(f"KV blocks of {config.block_size} tokens: alone {kv_alone}, instance {kv_instance} "
+          f"({kv_instance / kv_alone:.2f}x), each executor with a {args.memory_budget} arena")
+    result = dict(rows=rows, kv_blocks=dict(alone=kv_alone, instance=kv_instance), shape=dict(executors=args.executors, tp=shape.tp, plan=shape.plan_file, label=label),
                   config=dict(model=args.model, new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                               memory_budget=args.memory_budget, threads_alone=cores, threads_each=threads),
                   machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=cores),

@@ -52,6 +52,9 @@ class GenerateRequest(Message):
 
 # ErrorInfo.code of an admission refused because the executor reached it after its admit_by.
 ADMISSION_EXPIRED = "admission_expired"
+# ErrorInfo.code of a completion ended because the instance computing it lost a member: the gateway moves
+# a request that has streamed nothing yet to another instance, and ends one that has with this error.
+INSTANCE_BROKEN = "instance_broken"
 
 
 class ErrorInfo(Part):

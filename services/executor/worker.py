@@ -42,7 +42,8 @@ from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import BusError, Incoming
 from shared.errors import InvalidRequestError
-from shared.messages import ADMISSION_EXPIRED, Admission, ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, Admission, ErrorInfo, GenerateRequest, Message,
+                             TokenBatch, TokenDelta)
 from shared.telemetry import RECORD_CONTENT
 
 log = logging.getLogger(__name__)
@@ -249,10 +250,11 @@ class EngineWorker:
             deltas = self.engine.step()
         except Exception as exc:
             log.exception("executor %s: engine step failed; failing %d requests", self.executor, len(self._tracked))
-            self._fail_all("the instance lost a member while generating" if isinstance(exc, FabricError)
-                           else "the executor failed while generating")
             if isinstance(exc, FabricError):
+                self._fail_all("the instance lost a member while generating", INSTANCE_BROKEN)
                 self._break(exc)
+            else:
+                self._fail_all("the executor failed while generating")
             return
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()
@@ -322,7 +324,7 @@ class EngineWorker:
         self.draining = True
         self._on_broken(exc)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: str | None = None) -> None:
         """After a failed step: end every in-flight request with an error delta and free its pages."""
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()
@@ -335,7 +337,7 @@ class EngineWorker:
                     request_id=req.request_id, index=index, token_ids=[], text="", timestamps=[],
                     finished=True, finish_reason="error", prompt_tokens=req.prompt_tokens,
                     output_tokens=req.output_tokens.get(index, 0),
-                    error=ErrorInfo(type="internal_error", message=message)))
+                    error=ErrorInfo(type="internal_error", message=message, code=code)))
             self._finish(req, now)
             try:
                 self.engine.abort(req.request_id)

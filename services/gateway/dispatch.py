@@ -31,8 +31,8 @@ from services.gateway.router import choose_executor, serving
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
 from shared.config import GatewayConfig
-from shared.messages import (ADMISSION_EXPIRED, Admission, Cancel, ClusterState, ErrorInfo, GenerateRequest,
-                             ResumedCompletion, TokenBatch, TokenDelta)
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, Admission, Cancel, ClusterState, ErrorInfo,
+                             GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,18 @@ def slow_consumer(buffer: int) -> ApiError:
                        "the request was cancelled", "slow_consumer")
 
 
+def _instance_broke(delta: TokenDelta) -> bool:
+    return delta.finished and delta.error is not None and delta.error.code == INSTANCE_BROKEN
+
+
 def finish_error(delta: TokenDelta) -> ApiError:
     """The API error for a completion that ended neither by stop nor by length."""
     if delta.finish_reason == "deadline":
         return ApiError(504, "the request did not finish before its deadline", "timeout", None, "deadline_exceeded")
     if delta.finish_reason == "abort":
         return unavailable("the executor aborted the request", "aborted")
+    if _instance_broke(delta):
+        return unavailable(delta.error.message, INSTANCE_BROKEN)
     message = delta.error.message if delta.error else "the executor failed the request"
     return ApiError(500, message, "server_error", None, "internal_error")
 
@@ -271,6 +277,10 @@ class Dispatcher:
             if item is OVERFLOWED:
                 raise slow_consumer(self.config.stream_buffer)
             if item is LOST:
+                await self._fail_over(ticket)
+                continue
+            if _instance_broke(item) and not any(ticket.sent_tokens.values()):
+                # Nothing reached the client yet: another instance (a survivor, once it serves alone) starts it.
                 await self._fail_over(ticket)
                 continue
             if item.output_tokens != len(ticket.sent_tokens.get(item.index, ())) + len(item.token_ids):

@@ -18,8 +18,8 @@ from services.gateway.app import Gateway, create_app
 from shared import subjects
 from shared.bus import Bus
 from shared.config import GatewayConfig
-from shared.messages import (Admission, Cancel, ClusterState, ErrorInfo, ExecutorState, ExecutorTelemetry,
-                             GenerateRequest, KvPages, TokenBatch, TokenDelta)
+from shared.messages import (INSTANCE_BROKEN, Admission, Cancel, ClusterState, ErrorInfo, ExecutorState,
+                             ExecutorTelemetry, GenerateRequest, KvPages, TokenBatch, TokenDelta)
 from tests.nats_server import free_port
 
 MODEL = "tiny-model"
@@ -53,10 +53,11 @@ class Peers:
         self.run(self.bus.publish(subjects.STATE, ClusterState(time=time.time(), executors=list(executors))))
 
     def responder(self, executor: str, admit, tokens: list[str] | None = None, finish: bool = True,
-                  lose: int | None = None) -> None:
+                  lose: int | None = None, error: ErrorInfo | None = None) -> None:
         """Answer infer.<executor> with `admit(request) -> Admission`; if admitted and `tokens` is given,
         stream them as one delta each (continuing a resumed request's count), the last one finished with
-        reason stop (unless not `finish`). The delta at position `lose` is lost on the way."""
+        reason stop (unless not `finish`). The delta at position `lose` is lost on the way. With `error`,
+        a delta that ends the completion with it follows the tokens."""
         async def on_infer(incoming):
             req: GenerateRequest = incoming.message
             admission = admit(req)
@@ -73,6 +74,11 @@ class Peers:
                     continue
                 await self.bus.publish(subjects.tokens(req.gateway), TokenBatch(executor=executor, deltas=[delta]))
                 await asyncio.sleep(0.01)
+            if error is not None:
+                ended = TokenDelta(request_id=req.request_id, index=0, token_ids=[], text="", timestamps=[],
+                                   finished=True, finish_reason="error", prompt_tokens=3,
+                                   output_tokens=already + len(tokens), error=error)
+                await self.bus.publish(subjects.tokens(req.gateway), TokenBatch(executor=executor, deltas=[ended]))
 
         async def on_cancel(incoming):
             self.cancels.append(incoming.message.request_id)
@@ -369,6 +375,46 @@ def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_
         assert time.time() < deadline, "no Cancel was published after the client disconnected"
         time.sleep(0.02)
 
+
+
+BROKEN = ErrorInfo(type="internal_error", message="the instance lost a member while generating",
+                   code=INSTANCE_BROKEN)
+
+
+def test_a_request_whose_instance_broke_before_its_first_token_starts_again_on_another(start_gateway, test_bus):
+    base = start_gateway()
+    tried = []
+
+    def breaks_then_rebuilds(req):  # a broken leader refuses requests until it serves again, alone
+        tried.append(req.request_id)
+        if len(tried) == 1:
+            return Admission(request_id=req.request_id, executor="e0", accepted=True, prompt_tokens=3)
+        return Admission(request_id=req.request_id, executor="e0", accepted=False,
+                         error=ErrorInfo(type="unavailable", message="executor is draining"))
+
+    test_bus.responder("e0", breaks_then_rebuilds, tokens=[], finish=False, error=BROKEN)
+    test_bus.responder("e1", lambda req: Admission(request_id=req.request_id, executor="e1", accepted=True,
+                                                   prompt_tokens=3), tokens=["ok"])
+    test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text == "ok"
+
+
+def test_a_stream_whose_instance_broke_after_tokens_ends_with_an_sse_error(start_gateway, test_bus):
+    base = start_gateway()
+    test_bus.responder("e0", lambda req: Admission(request_id=req.request_id, executor="e0", accepted=True,
+                                                   prompt_tokens=3), tokens=["a"], finish=False, error=BROKEN)
+    test_bus.responder("e1", lambda req: Admission(request_id=req.request_id, executor="e1", accepted=True,
+                                                   prompt_tokens=3), tokens=["never"])
+    test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))
+    wait_ready(base)
+    body = {"model": MODEL, "prompt": "hi", "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert '"text":"a"' in events[0]
+    assert events[-1] == "data: [DONE]" and f'"code":"{INSTANCE_BROKEN}"' in events[-2], events
+    assert not any("never" in e for e in events)
 
 
 def test_admin_routes_refuse_api_keys_when_no_admin_key_is_set(start_gateway, test_bus):

@@ -41,6 +41,14 @@ def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BI
     return plans
 
 
+def instance_plans(executors: list[str], num_layers: int, tp: int | None = None, plan_file: str | Path | None = None,
+                   bits: int = FULL_BITS) -> list[InstancePlan]:
+    """The plans a world of `executors` serves: a plan file's, else `--tp` (1 by default) at `bits`."""
+    if plan_file:
+        return read_plan_file(plan_file, executors, num_layers)
+    return tp_plans(executors, tp or 1, num_layers, bits)
+
+
 def read_plan_file(path: str | Path, executors: list[str], num_layers: int | None) -> list[InstancePlan]:
     """The plans of a JSON file, `id` and `leader` filled in where left out, checked against the world
     (and against the model's depth, unless `num_layers` is None: `up` checks before any model is read)."""
@@ -143,6 +151,17 @@ def segments(plan: InstancePlan) -> list[Segment]:
 def layers_on(plan: InstancePlan, executor: str) -> list[int]:
     """The decoder layers `executor` holds weights (and computes KV) for."""
     return [i for i, layer in enumerate(plan.layers) if executor in layer.placement]
+
+
+def quantized_layers(plan: InstancePlan, layers: list[int] | None = None) -> dict[int, list[int]]:
+    """Bits -> positions in `layers` (every decoder layer by default) of those the plan does not keep at
+    full precision: what to quantize before serving."""
+    layers = list(range(len(plan.layers))) if layers is None else layers
+    out: dict[int, list[int]] = {}
+    for position, layer in enumerate(layers):
+        if plan.layers[layer].bits != FULL_BITS:
+            out.setdefault(plan.layers[layer].bits, []).append(position)
+    return out
 
 
 def plans_json(plans: list[InstancePlan]) -> dict:

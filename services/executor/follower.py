@@ -14,8 +14,9 @@ import uuid
 
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.world import FabricError
+from services.executor.service import heartbeat
 from shared import subjects
-from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.bus import Bus, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, Command, CommandResult, DrainArgs, ErrorInfo, ExecutorTelemetry,
@@ -45,7 +46,8 @@ class FollowerService:
         self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer),
                       await bus.subscribe(subjects.command(self.id), Command, self._on_command)]
         await bus.flush()
-        self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
+        self._telemetry_task = asyncio.create_task(
+            heartbeat(bus, self.id, self.telemetry, self.config.telemetry_interval_s), name=f"{self.id}-telemetry")
         log.info("executor %s follows %s in instance %s", self.id, self.member.leader, self.member.plan.id)
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
@@ -96,15 +98,6 @@ class FollowerService:
         if incoming.can_reply:
             await incoming.reply(result)
 
-    async def _telemetry(self) -> None:
-        while True:
-            try:
-                await self._bus.publish(subjects.telemetry(self.id), self.telemetry())
-            except BusError:
-                pass
-            except Exception:
-                log.exception("executor %s: telemetry failed", self.id)
-            await asyncio.sleep(self.config.telemetry_interval_s)
 
     def telemetry(self) -> ExecutorTelemetry:
         member, ledger = self.member, self.member.snapshot()

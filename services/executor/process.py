@@ -22,22 +22,16 @@ from services.executor.service import ExecutorService
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds
 from shared.messages import InstancePlan
-from shared.plans import PlanError, alone, plan_of, read_plan_file, tp_plans
+from shared.plans import FULL_BITS, PlanError, alone, instance_plans, plan_of, quantized_layers
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
-FULL_PRECISION = 16  # --static-bits 16: the dtype as loaded, whatever its width (float32 on CPU)
-
 
 def apply_static_bits(engine, executor_id: str, plan: InstancePlan) -> None:
     """Quantize the decoder layers to the bits `plan` gives them before serving (--static-bits, or a plan
-    file); FULL_PRECISION leaves a layer as loaded."""
-    by_bits: dict[int, list[int]] = {}
-    for index, layer in enumerate(plan.layers):
-        if layer.bits != FULL_PRECISION:
-            by_bits.setdefault(layer.bits, []).append(index)
-    for bits, layers in by_bits.items():
+    file); 16 (FULL_BITS) means the dtype as loaded, whatever its width (float32 on CPU)."""
+    for bits, layers in quantized_layers(plan).items():
         before = engine.arena.ledger.snapshot()
         report = engine.swapper.set_bits(layers, bits)
         after = engine.arena.ledger.snapshot()
@@ -79,7 +73,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--static-bits", type=int, default=FULL_PRECISION, choices=(FULL_PRECISION, 8, 4),
+    p.add_argument("--static-bits", type=int, default=FULL_BITS, choices=(FULL_BITS, 8, 4),
                    help="bits of every decoder layer, fixed from the start: 8 or 4 are the static "
                         "baselines, 16 is full precision as loaded (default %(default)s)")
     p.add_argument("--swap-order", default="auto", metavar="auto|front|PATH",
@@ -192,10 +186,7 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
     world = World.join(settings, config.executor_id, config.engine.device)
     checkpoint = load_checkpoint(config.engine.model)
     num_layers = checkpoint.config.num_layers
-    if args.plan:
-        plans = read_plan_file(args.plan, world.names, num_layers)
-    else:
-        plans = tp_plans(world.names, args.tp or 1, num_layers, bits=args.static_bits)
+    plans = instance_plans(world.names, num_layers, args.tp, args.plan, args.static_bits)
     world.create_groups(plans)
     plan = plan_of(plans, config.executor_id)
     if len(plan.members) == 1:

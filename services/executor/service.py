@@ -42,6 +42,18 @@ def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
             "seconds": report.seconds}
 
 
+async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry], interval_s: float) -> None:
+    """Publish `telemetry()` every `interval_s` until cancelled: an executor's heartbeat, leader or follower."""
+    while True:
+        try:
+            await bus.publish(subjects.telemetry(executor), telemetry())
+        except BusError:  # down: the bus logs that once, and the next heartbeat is what counts
+            pass
+        except Exception:
+            log.exception("executor %s: telemetry failed", executor)
+        await asyncio.sleep(interval_s)
+
+
 class ExecutorService:
     def __init__(self, config: ExecutorConfig, engine=None, plan: InstancePlan | None = None):
         """`plan`: the instance this executor leads (None: it serves alone, outside any world)."""
@@ -211,14 +223,7 @@ class ExecutorService:
         await self._bus.publish(subject, message)
 
     async def _telemetry(self) -> None:
-        while True:
-            try:
-                await self._bus.publish(subjects.telemetry(self.id), self.telemetry())
-            except BusError:  # down: the bus logs that once, and the next heartbeat is what counts
-                pass
-            except Exception:
-                log.exception("executor %s: telemetry failed", self.id)
-            await asyncio.sleep(self.config.telemetry_interval_s)
+        await heartbeat(self._bus, self.id, self.telemetry, self.config.telemetry_interval_s)
 
     def telemetry(self) -> ExecutorTelemetry:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.messages import InstancePlan, LayerPlan
-from shared.plans import (PlanError, alone, check_plans, layers_on, parse_plans, plan_of, plans_json, read_plan_file,
-                          segments, tp_plans)
+from shared.plans import (PlanError, alone, check_plans, instance_plans, layers_on, parse_plans, plan_of, plans_json,
+                          quantized_layers, read_plan_file, segments, tp_plans)
 
 EXECS = ["exec0", "exec1", "exec2", "exec3"]
 
@@ -221,3 +221,21 @@ def test_a_tp1_plan_is_accepted_exactly_when_each_member_computes_a_layer(layers
                              *({"members": [e], "layers": [{"placement": [e]}] * len(layers)} for e in idle[1:])]
         with pytest.raises(PlanError, match=rf"^instances\[0\]\.layers: member '{idle[0]}' computes no layer"):
             parse_plans(data, EXECS, len(layers))
+
+
+def test_quantized_layers_groups_what_the_plan_does_not_keep_at_full_precision_by_position():
+    [plan] = parse_plans({"instances": [{"members": ["exec0"], "layers": [
+        {"placement": ["exec0"], "bits": 8}, {"placement": ["exec0"]}, {"placement": ["exec0"], "bits": 4},
+        {"placement": ["exec0"], "bits": 8}]}]}, ["exec0"], 4)
+    assert quantized_layers(plan) == {8: [0, 3], 4: [2]}
+    assert quantized_layers(plan, [2, 3]) == {4: [0], 8: [1]}  # positions in the given layers: a member's own
+
+
+def test_instance_plans_take_the_file_else_tp_at_the_static_bits(tmp_path):
+    assert instance_plans(["exec0", "exec1"], 2, bits=8) == tp_plans(["exec0", "exec1"], 1, 2, 8)
+    assert instance_plans(["exec0", "exec1"], 2, tp=2) == tp_plans(["exec0", "exec1"], 2, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"instances": [{"members": ["exec1", "exec0"], "tp": 2, "layers": [
+        {"placement": ["exec0", "exec1"]}]}]}))
+    [plan] = instance_plans(["exec0", "exec1"], 1, tp=2, plan_file=path)
+    assert plan.leader == "exec1"

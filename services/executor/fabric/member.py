@@ -34,7 +34,7 @@ from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, World, checked
 from shared.config import EngineConfig
 from shared.messages import InstancePlan
-from shared.plans import FULL_BITS, Segment, layers_on, segments
+from shared.plans import Segment, layers_on, quantized_layers, segments
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,7 @@ class InstanceMember:
 
     # --- start ----------------------------------------------------------------------------------
     def _quantize_as_planned(self) -> None:
-        by_bits: dict[int, list[int]] = {}
-        for layer, local in self.local_index.items():
-            bits = self.plan.layers[layer].bits
-            if bits != FULL_BITS:
-                by_bits.setdefault(bits, []).append(local)
+        by_bits = quantized_layers(self.plan, list(self.local_index))  # positions in our layers: local indices
         if by_bits:
             swapper = LayerSwapper(self.model, self.arena, scheduler=None)
             for bits, local in by_bits.items():
@@ -174,17 +170,16 @@ class InstanceMember:
                 rows = self._hop(self._buffer(part.rows.numel()), self.leader, self.me)
                 self._hop(self.model.run_layers(rows, self._local(part.batch), layers), self.me, self.leader)
             return x
+        rows = {m: part.rows.to(self.device) for m, part in mine.items()}
         others = [m for m in segment.placement if m != self.leader and m in mine]
         for m in others:
-            self._hop(x[mine[m].rows.to(self.device)].contiguous(), self.leader, m)
-        out = x.clone()
+            self._hop(x[rows[m]], self.leader, m)  # indexing copies: x itself is free to take the results
         if self.leader in mine:
-            own = mine[self.leader]
-            out[own.rows.to(self.device)] = self.model.run_layers(x[own.rows.to(self.device)], self._local(own.batch),
-                                                                  layers)
+            x[rows[self.leader]] = self.model.run_layers(x[rows[self.leader]], self._local(mine[self.leader].batch),
+                                                         layers)
         for m in others:
-            out[mine[m].rows.to(self.device)] = self._hop(self._buffer(mine[m].rows.numel()), m, self.leader)
-        return out
+            x[rows[m]] = self._hop(self._buffer(len(rows[m])), m, self.leader)
+        return x
 
     def _hop(self, tensor: torch.Tensor, src: str, dst: str) -> torch.Tensor:
         """Move `tensor` from `src` to `dst` (the receiver passes a buffer of the right shape)."""

@@ -17,7 +17,7 @@ from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
 from shared.messages import InstancePlan
 from shared.net import free_port
-from shared.plans import plan_of, read_plan_file, tp_plans
+from shared.plans import instance_plans, plan_of
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,7 @@ class Shape:
     plan_file: str | None = None
 
     def plans(self, names: list[str], num_layers: int) -> list[InstancePlan]:
-        if self.plan_file:
-            return read_plan_file(self.plan_file, names, num_layers)
-        return tp_plans(names, self.tp, num_layers)
+        return instance_plans(names, num_layers, self.tp, self.plan_file)
 
 
 def _join(config: EngineConfig, shape: Shape, url: str, rank: int, timeout_s: float):

@@ -77,7 +77,8 @@ def run(args) -> dict:
               f"{str(row['same_tokens']):>12}", flush=True)
     print(f"KV blocks of {config.block_size} tokens: alone {kv_alone}, instance {kv_instance} "
           f"({kv_instance / kv_alone:.2f}x), each executor with a {args.memory_budget} arena")
-    result = dict(rows=rows, kv_blocks=dict(alone=kv_alone, instance=kv_instance), shape=dict(executors=args.executors, tp=shape.tp, plan=shape.plan_file, label=label),
+    result = dict(rows=rows, kv_blocks=dict(alone=kv_alone, instance=kv_instance),
+                  shape=dict(executors=args.executors, tp=shape.tp, plan=shape.plan_file, label=label),
                   config=dict(model=args.model, new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                               memory_budget=args.memory_budget, threads_alone=cores, threads_each=threads),
                   machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=cores),

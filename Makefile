@@ -39,5 +39,10 @@ bench: install
 bench-engine: install-test
 	$(VENV)/bin/morphling bench-engine
 
+# The speed-up model's coefficients (CoCoServe Eqs. 1-4) measured on this machine (~35 s on 2 cores).
+.PHONY: profile-speedup
+profile-speedup: install
+	$(VENV)/bin/morphling profile --speedup
+
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="longest sequence (prompt + output) served; default: the model's own context")
     ap.add_argument("--mode", default="off", choices=("off", *MORPHING_MODES),
                     help="how eagerly the controller morphs under load (default %(default)s)")
+    ap.add_argument("--cocoserve", default="off", choices=("off", "scale-down", "default"),
+                    help="CoCoServe on instances of several executors (--plan, --tp): replicate layers onto idle "
+                         "members, migrate, evict and cut the batch under SLO violations (default %(default)s)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
                     help="bits of every decoder layer, fixed: 8 or 4 are the static baselines (with --mode off), "
                          "16 is full precision as loaded (default %(default)s)")
@@ -94,6 +97,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="the monitor calls an executor suspect after this long without telemetry (its default 1.0)")
     ap.add_argument("--dead-after", type=seconds(), metavar="SECONDS",
                     help="the monitor calls an executor dead after this long without telemetry (its default 6.0)")
+    ap.add_argument("--slo-ttft", type=seconds(), metavar="SECONDS",
+                    help="the monitor's time-to-first-token SLO, for its SLO-violation rates (its default 2)")
+    ap.add_argument("--slo-tpot", type=seconds(), metavar="SECONDS",
+                    help="the monitor's time-per-output-token SLO, for its SLO-violation rates (its default 0.15)")
+    ap.add_argument("--slo-window", type=seconds(), metavar="SECONDS",
+                    help="seconds of finished requests the monitor's SLO-violation rates are over (its default 10)")
     ap.add_argument("--bus-outage", type=seconds(), metavar="SECONDS",
                     help="how long the bus may be gone before the gateway and executors end in-flight streams "
                          "with an error (their default 3)")
@@ -161,7 +170,7 @@ def _given(args: argparse.Namespace, *names: str) -> list[str]:
 
 
 def monitor_args(args: argparse.Namespace, nats_url: str) -> list[str]:
-    return ["--nats", nats_url, *_given(args, "suspect_after", "dead_after")]
+    return ["--nats", nats_url, *_given(args, "suspect_after", "dead_after", "slo_ttft", "slo_tpot", "slo_window")]
 
 
 def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[str]:
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             nats_url = cluster.start_nats()
             progress(f"nats-server listening at {nats_url}")
         cluster.start_service("monitor", monitor_args(args, nats_url))
-        cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode])
+        cluster.start_service("controller",
+                              ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve])
         dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
         if dist_url:
             shape = f"--plan {args.plan}" if args.plan else f"TP{args.tp or 1} instances"

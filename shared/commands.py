@@ -8,12 +8,14 @@ their commands follow the same rules:
   only its answer was lost, the executor answers the repeat from its record instead of, say,
   quantizing a second layer;
 - bus failures never raise out of `send`: the caller gets CommandResult(ok=False) and decides;
-- every command, answered or not, becomes an audit Event on the events subject, with why it was sent.
+- every command, answered or not, becomes an audit Event on the events subject, with why it was sent
+  and, where the issuer gives them, the inputs its decision saw (`"inputs"`).
 """
 
 import asyncio
 import logging
 import time
+from typing import Any
 
 from shared import subjects
 from shared.bus import Bus, BusError
@@ -37,9 +39,10 @@ class CommandSender:
         self._seq += 1
         return self._seq
 
-    async def send(self, executor: str, args: CommandArgs, reason: str = "") -> CommandResult:
+    async def send(self, executor: str, args: CommandArgs, reason: str = "",
+                   inputs: dict[str, Any] | None = None) -> CommandResult:
         """Deliver one command and return the executor's answer, or a failed result when none came.
-        `reason` (why the issuer decided it) goes into the audit event."""
+        `reason` (why the issuer decided it) and `inputs` (the signals it decided on) go into the audit event."""
         command = Command.of(self.next_seq(), self.issuer, args)
         kind = command.kind
         subject = subjects.command(executor)
@@ -78,15 +81,17 @@ class CommandSender:
                                        ok=False, error=f"no answer after {attempts} attempt(s): {causes}")
             span.set_attributes({"morphling.command.ok": result.ok, "morphling.command.attempts": attempts})
         latency = time.monotonic() - started
-        await self._audit(executor, command, result, attempts, latency, reason)
+        await self._audit(executor, command, result, attempts, latency, reason, inputs)
         return result
 
     async def _audit(self, executor: str, command: Command, result: CommandResult, attempts: int,
-                     latency: float, reason: str) -> None:
-        event = Event(kind="command", source=self.issuer, time=time.time(), data={
-            "executor": executor, "kind": command.kind, "seq": command.seq, "args": command.args,
-            "reason": reason, "ok": result.ok, "error": result.error, "state": result.state,
-            "attempts": attempts, "latency_s": latency})
+                     latency: float, reason: str, inputs: dict[str, Any] | None) -> None:
+        data = {"executor": executor, "kind": command.kind, "seq": command.seq, "args": command.args,
+                "reason": reason, "ok": result.ok, "error": result.error, "state": result.state,
+                "attempts": attempts, "latency_s": latency}
+        if inputs:  # hand-issued commands (the admin endpoint) decide on no signals
+            data["inputs"] = inputs
+        event = Event(kind="command", source=self.issuer, time=time.time(), data=data)
         try:
             await self.bus.publish(subjects.EVENTS, event)
         except Exception as exc:  # the audit trail is best effort; the command's outcome stands

@@ -202,11 +202,20 @@ class MonitorConfig:
     # only suspect. A process that is gone is found sooner (the monitor's probe: nobody answers).
     suspect_after_s: float = 1.0
     dead_after_s: float = 6.0
+    # CoCoServe's SLO-violation rate (services/monitor/slo.py): the share of the requests finished over the
+    # last slo_window_s whose TTFT or TPOT is over its SLO. The SLOs suit the default model on a CPU
+    # executor: an idle one answers in ~0.1 s and generates ~25 ms/token (docs/benchmarks.md).
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.15
+    slo_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.suspect_after_s <= self.dead_after_s:
             raise ValueError(f"need 0 < suspect_after_s <= dead_after_s, got {self.suspect_after_s} and "
                              f"{self.dead_after_s}")
+        if min(self.slo_ttft_s, self.slo_tpot_s, self.slo_window_s) <= 0:
+            raise ValueError(f"the SLOs and their window must be positive, got slo_ttft_s={self.slo_ttft_s}, "
+                             f"slo_tpot_s={self.slo_tpot_s}, slo_window_s={self.slo_window_s}")
     events: EventStreamConfig = EventStreamConfig()  # kept where the NATS server runs JetStream
 
 
@@ -220,3 +229,10 @@ class ControllerConfig:
     # executor's depth, then any MorphSettings field overridden by name, e.g. (("kv_high", 0.85),).
     morph_mode: str = "default"  # off | accuracy | default | performance
     morph_overrides: tuple[tuple[str, object], ...] = ()
+    # CoCoServe's scale-up and scale-down (services/controller/policies/cocoserve.py) on instances of several
+    # executors: a mode, then any CocoSettings field overridden by name, e.g. (("t_down", 0.2),). Off unless
+    # asked for, like the morph mode in `up`: a deployment serves the plan it was started with by default.
+    cocoserve_mode: str = "off"  # off | scale-down | default
+    cocoserve_overrides: tuple[tuple[str, object], ...] = ()
+    # The speed-up model's fitted costs (`morphling profile --speedup` JSON); None: speedup.DEFAULT_PROFILE.
+    speedup_profile: str | None = None

@@ -7,12 +7,12 @@ one side fails loudly in tests instead of being silently ignored.
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Message(BaseModel):
@@ -172,6 +172,12 @@ class InstancePlan(Part):
     layers: list[LayerPlan]
 
 
+class RequestLatency(Part):
+    """One finished request's latencies, for the monitor's SLO windows (services/monitor/slo.py)."""
+    ttft_s: float  # admitted -> first token
+    tpot_s: float  # mean seconds per output token after the first (0 for a one-token completion)
+
+
 class ExecutorTelemetry(Message):
     executor: str
     instance: str  # new at every process start, so that a restart is told from a stall
@@ -195,6 +201,24 @@ class ExecutorTelemetry(Message):
     draining: bool = False
     gpu: GpuStats | None = None
     plan: InstancePlan | None = None  # the instance it serves in; only a plan's leader takes requests
+    max_num_seqs: int = 0  # the batch cap now (the `batch` command moves it; 0: not a leader)
+    requests: list[RequestLatency] = Field(default_factory=list)  # finished since the previous report
+    layer_pages: int = 0  # pages of one full-precision layer slot: a replica's size (CoCoServe's r)
+    # Pages neither in a slot nor holding the instance's KV blocks: room for replicas without shrinking
+    # the instance's KV (only members of a TP1 instance of several executors have any).
+    spare_pages: int = 0
+    pages_growth: int = 0  # KV pages the running sequences still take before they reach their max_tokens
+    busy: float = 0.0  # share of the last second spent computing steps (leader: whole steps; member: its part)
+
+
+class SloWindow(Part):
+    """Requests finished over the monitor's SLO window, against the configured TTFT and TPOT SLOs."""
+    requests: int = 0
+    violation_rate: float = 0.0  # share of them over either SLO
+    ttft_p50_s: float = 0.0
+    ttft_p95_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p95_s: float = 0.0
 
 
 class ExecutorState(Part):
@@ -207,6 +231,7 @@ class ExecutorState(Part):
     queue_delay_s: float  # smoothed
     waiting: float  # smoothed
     telemetry: ExecutorTelemetry  # the latest raw report
+    slo: SloWindow = Field(default_factory=SloWindow)
 
 
 class ClusterState(Message):
@@ -247,7 +272,53 @@ class RestoreArgs(CommandArgs):
     layers: int | list[int]  # a count, the most recently quantized first, or layer indices
 
 
-COMMAND_ARGS: dict[str, type[CommandArgs]] = {a.kind: a for a in (PingArgs, DrainArgs, QuantizeArgs, RestoreArgs)}
+class LayerRangeArgs(CommandArgs):
+    """CoCoServe's operations on a running instance (DESIGN.md, "Instances across executors"), sent to its
+    leader and applied by all its members at a step boundary. `layers` is an inclusive range [a, b]."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    instance: str
+    layers: list[int] = Field(min_length=2, max_length=2)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        a, b = self.layers
+        if not 0 <= a <= b:
+            raise ValueError(f"layers must be [a, b] with 0 <= a <= b, got {self.layers}")
+        return self
+
+    @property
+    def span(self) -> range:
+        return range(self.layers[0], self.layers[1] + 1)
+
+
+class ReplicateArgs(LayerRangeArgs):
+    """Add a replica of layers [a, b] on member `to`, which then takes a share of the batch there."""
+    kind: ClassVar[str] = "replicate"
+    to: str
+
+
+class MigrateArgs(LayerRangeArgs):
+    """Move layers [a, b], with their live KV, from member `from` to member `to`."""
+    kind: ClassVar[str] = "migrate"
+    source: str = Field(alias="from")
+    to: str
+
+
+class EvictArgs(LayerRangeArgs):
+    """Drop member `from`'s replica of layers [a, b]; its sequences' KV moves to a surviving replica."""
+    kind: ClassVar[str] = "evict"
+    source: str = Field(alias="from")
+
+
+class BatchArgs(CommandArgs):
+    """Cap the sequences the instance runs at once (CoCoServe's scale-down phase 3); running ones go on."""
+    kind: ClassVar[str] = "batch"
+    instance: str
+    max_num_seqs: int = Field(ge=1)
+
+
+COMMAND_ARGS: dict[str, type[CommandArgs]] = {a.kind: a for a in (PingArgs, DrainArgs, QuantizeArgs, RestoreArgs,
+                                                                   ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)}
 
 
 class Command(Message):
@@ -258,7 +329,7 @@ class Command(Message):
 
     @classmethod
     def of(cls, seq: int, issuer: str, args: CommandArgs) -> "Command":
-        return cls(seq=seq, issuer=issuer, kind=args.kind, args=args.model_dump())
+        return cls(seq=seq, issuer=issuer, kind=args.kind, args=args.model_dump(by_alias=True))
 
     def parsed_args(self) -> CommandArgs:
         """The typed arguments; InvalidCommandError names the culprit ("kind", "args.bits", ...)."""

@@ -3,17 +3,19 @@
 One shape everywhere (a `--plan` file, GET /v1/cluster's `instances`, the planner's output):
 `{"instances": [{"id", "leader", "members", "tp", "layers": [{"placement": [...], "bits": 16}, ...]}]}`.
 In a TP instance (tp > 1) every layer is sharded over all members; in a TP1 instance a layer's placement
-names the one member that computes it, or several replicas that split the batch rows between them.
+names the one member that computes it, or several replicas that split the batch rows between them. A TP1
+member may compute nothing at first: a spare that CoCoServe's operations (`reshaped`) give layers later.
 Pure: the executors, up and the tests check plans here, before any process group or model exists.
 """
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from shared.messages import InstancePlan, LayerPlan
+from shared.messages import EvictArgs, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
 
 FULL_BITS = 16
 
@@ -22,9 +24,13 @@ class PlanError(ValueError):
     """A plan that cannot be served; the message names the field (`instances[1].layers[3].placement`)."""
 
 
+def alone_id(executor: str) -> str:
+    return f"i-{executor}"
+
+
 def alone(executor: str, num_layers: int, bits: int = FULL_BITS) -> InstancePlan:
     """The TP1 instance of an executor outside any world (or left alone by its world's failure)."""
-    return InstancePlan(id=f"i-{executor}", leader=executor, members=[executor],
+    return InstancePlan(id=alone_id(executor), leader=executor, members=[executor],
                         layers=[LayerPlan(placement=[executor], bits=bits) for _ in range(num_layers)])
 
 
@@ -70,7 +76,8 @@ def parse_plans(data: object, executors: list[str], num_layers: int | None) -> l
         members = raw.get("members")
         if not isinstance(members, list) or not members:
             raise PlanError(f"{where}.members: expected a list of executor ids")
-        filled = {"id": f"i{i}", "leader": members[0], **raw}
+        # `replicas` is derived (GET /v1/cluster shows it): a plan written from a running cluster drops it here.
+        filled = {"id": f"i{i}", "leader": members[0], **{k: v for k, v in raw.items() if k != "replicas"}}
         try:
             plans.append(InstancePlan.model_validate(filled))
         except ValidationError as exc:
@@ -107,9 +114,6 @@ def check_plans(plans: list[InstancePlan], executors: list[str], num_layers: int
                             f"{len(plan.layers)}")
         for j, layer in enumerate(plan.layers):
             _check_layer(f"{where}.layers[{j}].placement", plan, layer)
-        idle = [m for m in plan.members if not any(m in layer.placement for layer in plan.layers)]
-        if idle and plan.tp == 1 and len(plan.members) > 1:
-            raise PlanError(f"{where}.layers: member {idle[0]!r} computes no layer")
     missing = [e for e in executors if e not in seen]
     if missing:
         raise PlanError(f"instances: executor {missing[0]!r} is in no instance")
@@ -123,6 +127,49 @@ def _check_layer(where: str, plan: InstancePlan, layer: LayerPlan) -> None:
         raise PlanError(f"{where}: {outsider!r} is not a member of the instance")
     if plan.tp > 1 and sorted(layer.placement) != sorted(plan.members):
         raise PlanError(f"{where}: a TP{plan.tp} instance shards every layer over all its members")
+
+
+class OperationRefused(PlanError):
+    """An operation that the instance's plan does not allow (a layer not there, a member not in it)."""
+
+
+def reshaped(plan: InstancePlan, op: ReplicateArgs | MigrateArgs | EvictArgs) -> InstancePlan:
+    """The plan after a CoCoServe operation on layers [a, b]; OperationRefused says why one cannot apply.
+    A migration to a member that already has a replica of a layer leaves that layer on it alone."""
+    if op.instance != plan.id:
+        raise OperationRefused(f"this executor leads instance {plan.id!r}, not {op.instance!r}")
+    if plan.tp > 1:
+        raise OperationRefused(f"instance {plan.id} is TP{plan.tp}: its layers are sharded over every member, "
+                               f"so they cannot be replicated, migrated or evicted one by one")
+    if op.layers[1] >= len(plan.layers):
+        raise OperationRefused(f"layers [{op.layers[0]}, {op.layers[1]}]: the model has {len(plan.layers)} "
+                               f"decoder layers (0 to {len(plan.layers) - 1})")
+    for who in (getattr(op, "to", None), getattr(op, "source", None)):
+        if who is not None and who not in plan.members:
+            raise OperationRefused(f"{who!r} is not a member of instance {plan.id} (members: {plan.members})")
+    layers = [layer.model_copy(deep=True) for layer in plan.layers]
+    for i in op.span:
+        placement = layers[i].placement
+        if isinstance(op, ReplicateArgs):
+            if op.to in placement:
+                raise OperationRefused(f"layer {i} is already on {op.to}")
+            placement.append(op.to)
+        elif isinstance(op, MigrateArgs):
+            if op.source == op.to:
+                raise OperationRefused(f"migrate needs two different members, got {op.source!r} twice")
+            if op.source not in placement:
+                raise OperationRefused(f"layer {i} is not on {op.source} (it is on {placement})")
+            placement.remove(op.source)
+            if op.to not in placement:
+                placement.append(op.to)
+        else:
+            if op.source not in placement:
+                raise OperationRefused(f"layer {i} has no replica on {op.source} (it is on {placement})")
+            if len(placement) == 1:
+                raise OperationRefused(f"layer {i} is only on {op.source}: evicting its last copy would lose it; "
+                                       f"migrate it instead")
+            placement.remove(op.source)
+    return plan.model_copy(update={"layers": layers})
 
 
 def plan_of(plans: list[InstancePlan], executor: str) -> InstancePlan:
@@ -153,14 +200,13 @@ def layers_on(plan: InstancePlan, executor: str) -> list[int]:
     return [i for i, layer in enumerate(plan.layers) if executor in layer.placement]
 
 
-def quantized_layers(plan: InstancePlan, layers: list[int] | None = None) -> dict[int, list[int]]:
-    """Bits -> positions in `layers` (every decoder layer by default) of those the plan does not keep at
-    full precision: what to quantize before serving."""
-    layers = list(range(len(plan.layers))) if layers is None else layers
+def quantized_layers(plan: InstancePlan, held: Collection[int] | None = None) -> dict[int, list[int]]:
+    """Bits -> the decoder layers (of `held`, every one by default) the plan does not keep at full precision:
+    what to quantize before serving."""
     out: dict[int, list[int]] = {}
-    for position, layer in enumerate(layers):
-        if plan.layers[layer].bits != FULL_BITS:
-            out.setdefault(plan.layers[layer].bits, []).append(position)
+    for index, layer in enumerate(plan.layers):
+        if layer.bits != FULL_BITS and (held is None or index in held):
+            out.setdefault(layer.bits, []).append(index)
     return out
 
 

@@ -115,7 +115,7 @@ class Controller:
     async def _send_all(self, executor: str, commands: list[PlannedCommand]) -> None:
         assert self.sender is not None
         for p in commands:
-            result = await self.sender.send(executor, p.args, p.reason)
+            result = await self.sender.send(executor, p.args, p.reason, p.inputs)
             self.results.append(result)
             if not result.ok:
                 # Later commands of one plan build on the earlier ones; the next plan starts afresh.

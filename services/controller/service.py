@@ -1,15 +1,19 @@
 """The controller process: follows the cluster state and sends the policies' commands.
 
-The one policy so far is MorphServe's layer swapping (policies/morph.py). `--mode off` runs the
-process with no policy at all rather than not running it, so that deployments, `morphling up` and
-the audit trail keep one shape whether or not anything morphs: the static baselines (executors
-started with --static-bits) are measured with exactly that.
+Two policies, on disjoint executors: MorphServe's layer swapping (policies/morph.py, `--mode`) on
+standalone executors, and CoCoServe's scale-up and scale-down (policies/cocoserve.py, `--cocoserve`) on
+instances of several executors. Both off runs the process with no policy at all rather than not running
+it, so that deployments, `morphling up` and the audit trail keep one shape whether or not anything
+morphs: the static baselines (executors started with --static-bits) are measured with exactly that.
 
 The morph settings are not fixed here: a mode's preset is scaled to each executor's depth, read
 from its telemetry on every window, so one controller serves executors of different models, each in
 the swap order it reports (its LIS profile). The command line adds only what a preset cannot know:
 a swap order that overrides the executors' (`--swap-order`, a `morphling profile` JSON) and
 overrides of single settings by name (`--morph-set kv_high=0.85`), checked before the bus is touched.
+CoCoServe's thresholds have flags of their own (`--t-up`, `--t-down`, `--delta-bs`, the hysteresis windows)
+and `--cocoserve-set` for the rest; its speed-up model predicts with the profile `--speedup` names
+(`morphling profile --speedup`), read and checked at start, else with speedup.DEFAULT_PROFILE.
 """
 
 import argparse
@@ -19,7 +23,9 @@ import logging
 import sys
 
 from services.controller.loop import Controller
+from services.controller.policies import cocoserve
 from services.controller.policies.morph import MODES, make_policy, settings_for_mode
+from shared.speedup import SpeedupProfile
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig, read_swap_order
 from shared.telemetry import setup_tracing
@@ -27,7 +33,7 @@ from shared.telemetry import setup_tracing
 log = logging.getLogger(__name__)
 
 
-async def _run_until_signalled(config: ControllerConfig) -> None:
+async def _run_until_signalled(config: ControllerConfig, profile: SpeedupProfile | None) -> None:
     stop = stop_on_signals()
     bus = await Bus.connect_unless(stop, config.nats_url, config.controller_id)
     if bus is None:
@@ -35,22 +41,25 @@ async def _run_until_signalled(config: ControllerConfig) -> None:
         return
     # make_policy() without settings reads mode and overrides from the config at each window.
     policies = [] if config.morph_mode == "off" else [make_policy()]
+    if config.cocoserve_mode != "off":
+        policies.append(cocoserve.make_policy(profile))
     controller = Controller(config, policies=policies)
     await controller.start(bus)
-    log.info("controller %s: following the cluster state on %s (morph mode %s%s)", config.controller_id,
-             config.nats_url, config.morph_mode,
-             "".join(f", {k}={v}" for k, v in config.morph_overrides))
+    log.info("controller %s: following the cluster state on %s (morph mode %s%s; CoCoServe mode %s%s; speed-up "
+             "profile %s)", config.controller_id, config.nats_url, config.morph_mode,
+             "".join(f", {k}={v}" for k, v in config.morph_overrides), config.cocoserve_mode,
+             "".join(f", {k}={v}" for k, v in config.cocoserve_overrides), config.speedup_profile or "default")
     await stop.wait()
     log.info("controller %s: stopping", config.controller_id)
     await controller.stop()
     await bus.close()
 
 
-def parse_setting(text: str) -> tuple[str, object]:
+def parse_setting(text: str, flag: str = "--morph-set") -> tuple[str, object]:
     """'kv_high=0.85' -> ('kv_high', 0.85); values are JSON (numbers, lists), else taken as text."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"--morph-set takes key=value, got {text!r}")
+        raise ValueError(f"{flag} takes key=value, got {text!r}")
     try:
         value = json.loads(raw)
     except ValueError:
@@ -76,6 +85,26 @@ def main(argv: list[str] | None = None) -> int:
                              "each executor reports")
     parser.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one morph setting of the mode's preset, e.g. kv_high=0.85 (repeatable)")
+    coco = parser.add_argument_group("CoCoServe (instances of several executors)")
+    coco.add_argument("--cocoserve", default=defaults.cocoserve_mode, choices=cocoserve.MODES,
+                      help="scale-down: migrate, evict, cut the batch under SLO violations and step back after; "
+                           "default: also replicate layers onto idle members; off: neither (default %(default)s)")
+    coco.add_argument("--speedup", metavar="PATH", default=defaults.speedup_profile,
+                      help="the speed-up model's costs, as `morphling profile --speedup` writes them; default: "
+                           "the built-in profile of the default model on a CPU")
+    coco_defaults = cocoserve.CocoSettings()
+    for flag, key, kind, what in (
+            ("--t-up", "t_up", float, "vacancy (min of memory and compute) above which a member takes replicas"),
+            ("--t-down", "t_down", float, "SLO violation rate above which the instance scales down"),
+            ("--delta-bs", "delta_bs", int, "sequences the batch cap moves by per step (phase 3)"),
+            ("--cocoserve-enter-windows", "enter_windows", int, "consecutive violating states per scale-down step"),
+            ("--cocoserve-leave-windows", "leave_windows", int, "consecutive calm states per step back"),
+            ("--cocoserve-up-windows", "up_windows", int, "consecutive states with idle capacity before replicating"),
+            ("--cocoserve-dwell", "min_dwell_s", float, "seconds after a scale-down step before any step back")):
+        coco.add_argument(flag, dest=key, type=kind, default=None,
+                          help=f"{what} (default {getattr(coco_defaults, key)})")
+    coco.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override any other CoCoServe setting by name, e.g. settle_s=3 (repeatable)")
     args = parser.parse_args(argv)
     if args.command_timeout <= 0 or args.command_retries < 0:
         parser.error("--command-timeout must be positive and --command-retries non-negative")
@@ -85,15 +114,23 @@ def main(argv: list[str] | None = None) -> int:
             overrides["swap_order"] = read_swap_order(args.swap_order)
         # Checked once at a typical depth, so that a typo fails here and not silently per window.
         settings_for_mode(args.mode, 32, **overrides)
-    except (ValueError, TypeError) as exc:
+        coco_overrides = dict(parse_setting(text, "--cocoserve-set") for text in args.cocoserve_set)
+        coco_overrides |= {key: getattr(args, key) for key in ("t_up", "t_down", "delta_bs", "enter_windows",
+                                                               "leave_windows", "up_windows", "min_dwell_s")
+                           if getattr(args, key) is not None}
+        cocoserve.settings_for_mode(args.cocoserve, **coco_overrides)
+        profile = SpeedupProfile.load(args.speedup) if args.speedup else None
+    except (ValueError, TypeError) as exc:  # SpeedupProfileError among them
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("controller")
     config = ControllerConfig(nats_url=args.nats, controller_id=args.id,
                               command_timeout_s=args.command_timeout, command_retries=args.command_retries,
-                              morph_mode=args.mode, morph_overrides=tuple(overrides.items()))
+                              morph_mode=args.mode, morph_overrides=tuple(overrides.items()),
+                              cocoserve_mode=args.cocoserve, cocoserve_overrides=tuple(coco_overrides.items()),
+                              speedup_profile=args.speedup)
     try:
-        asyncio.run(_run_until_signalled(config))
+        asyncio.run(_run_until_signalled(config, profile))
     except BusError as exc:
         log.error("controller: %s", exc)
         return 1

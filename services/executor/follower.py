@@ -14,6 +14,7 @@ import uuid
 
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.world import FabricError
+from services.executor.latency import BusyWindow
 from services.executor.service import heartbeat
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
@@ -39,6 +40,15 @@ class FollowerService:
         self._subs: list = []
         self._telemetry_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # `busy` is the time in its part of the leader's steps, not the waits for the next one: the member
+        # (the fabric's) runs its part through `execute`, so that is what is timed.
+        self.busy = BusyWindow()
+        self._execute = member.execute
+        member.execute = self._execute_timed
+
+    def _execute_timed(self, step):
+        with self.busy.measuring():
+            return self._execute(step)
 
     async def start(self, bus: Bus) -> None:
         self._bus, self._loop = bus, asyncio.get_running_loop()
@@ -111,4 +121,5 @@ class FollowerService:
                        pages_extension=ledger.pages_extension),
             layers=[layer.bits for layer in plan.layers], swap_order=list(range(len(plan.layers))),
             running=0, waiting=0, max_waiting=self.config.engine.max_waiting, preemptions=0, prompt_tokens=0,
-            generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=plan)
+            generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=plan,
+            busy=self.busy.share(), layer_pages=member.arena.slot_pages, spare_pages=member.arena.ledger.num_free)

@@ -3,18 +3,25 @@
 The engine only knows sequences; the service needs, per request, where its tokens go (the gateway),
 when it was admitted, first scheduled, produced its first and last token, and the trace context it
 arrived with. All of that is recorded by the engine thread; the telemetry task only reads the windows,
-which are therefore guarded by a lock.
+the finished requests' samples and the busy time, which are therefore guarded by locks.
 """
 
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from shared.messages import RequestLatency
 from shared.telemetry import RECORD_CONTENT, tracer
+
+# Finished requests' samples kept for the next telemetry report. Reports go out every ~0.1 s, so this many
+# only fill up when the telemetry task is stalled; then the oldest go, rather than memory without bound.
+FINISHED_SAMPLES_LIMIT = 4096
 
 
 class LatencyWindow:
@@ -37,6 +44,75 @@ class LatencyWindow:
             if not self._items:
                 return 0.0
             return sum(v for _, v in self._items) / len(self._items)
+
+
+class FinishedSamples:
+    """The latencies of requests finished since the last `drain`: each sample is handed out once.
+
+    Holds at most `limit`, dropping the oldest beyond it.
+    """
+
+    def __init__(self, limit: int = FINISHED_SAMPLES_LIMIT):
+        self._items: deque[RequestLatency] = deque(maxlen=limit)
+        self._lock = threading.Lock()
+
+    def add(self, ttft_s: float, tpot_s: float) -> None:
+        with self._lock:
+            self._items.append(RequestLatency(ttft_s=ttft_s, tpot_s=tpot_s))
+
+    def drain(self) -> list[RequestLatency]:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+
+class BusyWindow:
+    """The share of the last `window_s` seconds spent inside busy spans.
+
+    A span still going counts up to now, so that a long step (a big prefill) reads as busy while it runs,
+    not only once it ends. One thread marks the spans, another reads the share.
+    """
+
+    def __init__(self, window_s: float = 1.0):
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float]] = deque()  # (start, end), oldest first
+        self._started: float | None = None
+        self._lock = threading.Lock()
+
+    def begin(self, now: float | None = None) -> None:
+        with self._lock:
+            self._started = now if now is not None else time.monotonic()
+
+    def end(self, now: float | None = None) -> None:
+        end = now if now is not None else time.monotonic()
+        with self._lock:
+            if self._started is None:
+                return
+            self._spans.append((self._started, end))
+            self._started = None
+            self._forget_before(end - self.window_s)
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def share(self, now: float | None = None) -> float:
+        now = now if now is not None else time.monotonic()
+        cutoff = now - self.window_s
+        with self._lock:
+            self._forget_before(cutoff)
+            spans = [*self._spans, *([(self._started, now)] if self._started is not None else [])]
+        busy = sum(max(0.0, min(end, now) - max(start, cutoff)) for start, end in spans)
+        return min(1.0, busy / self.window_s)
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._spans and self._spans[0][1] <= cutoff:
+            self._spans.popleft()
 
 
 @dataclass

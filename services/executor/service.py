@@ -22,9 +22,11 @@ from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
 from shared.errors import InvalidCommandError
-from shared.messages import (Admission, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest, DrainArgs,
-                             ErrorInfo, ExecutorTelemetry, GenerateRequest, GpuStats, InstancePlan, KvPages, PingArgs,
-                             QuantizeArgs, RestoreArgs, TokenizeReply, TokenizeRequest)
+from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
+                             DrainArgs, ErrorInfo, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
+                             InstancePlan, KvPages, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs, RestoreArgs,
+                             TokenizeReply, TokenizeRequest)
+from shared.plans import alone_id
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +208,9 @@ class ExecutorService:
             elif isinstance(args, DrainArgs):
                 self.worker.draining = True
                 result.state = {"in_flight": snap.in_flight}
+            elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
+                self._check_instance(args.instance)
+                result.state = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
             elif self.engine.member is not None:
                 raise InvalidCommandError(f"{self.id} leads instance {self.plan.id} with {len(self.plan.members) - 1} "
                                           f"other executors, which morphs as a whole, not one member at a time",
@@ -217,6 +222,24 @@ class ExecutorService:
             result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
         return result
+
+    @property
+    def instance_id(self) -> str:
+        return self.engine.member.plan.id if self.engine.member is not None else alone_id(self.id)
+
+    def _check_instance(self, instance: str) -> None:
+        if instance != self.instance_id:
+            raise InvalidCommandError(f"{self.id} leads instance {self.instance_id!r}, not {instance!r}",
+                                      "args.instance")
+
+    def _reshape(self, args: ReplicateArgs | MigrateArgs | EvictArgs | BatchArgs) -> dict:
+        """In the engine thread, between two steps."""
+        if isinstance(args, BatchArgs):
+            before = self.engine.set_max_num_seqs(args.max_num_seqs)
+            return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}
+        report = self.engine.reshape(args)
+        self.plan = self.engine.member.plan
+        return report
 
     # --- sending ------------------------------------------------------------------------------
     async def _publish(self, subject: str, message) -> None:
@@ -241,7 +264,9 @@ class ExecutorService:
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
             ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats(),
-            plan=self.plan)
+            plan=self.plan, max_num_seqs=snap.max_num_seqs, requests=worker.finished.drain(),
+            pages_growth=snap.pages_growth, busy=worker.busy.share(), layer_pages=engine.arena.slot_pages,
+            spare_pages=engine.arena.ledger.num_free if engine.member is not None else 0)
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device

@@ -2,9 +2,10 @@
 
 Torch work blocks, so the engine runs in one dedicated thread; the asyncio side only submits
 operations (admit, cancel, abort-all) and reads the `snapshot` this thread refreshes after every
-iteration. What the thread sends goes through `send`, the service's single ordered outbox, so a
-request's Admission reply is written before its first TokenBatch and each request's deltas leave in
-step order.
+iteration, the latencies of the requests finished since its last telemetry report (each handed out once)
+and how busy the thread is stepping. What the thread sends goes through `send`, the service's single
+ordered outbox, so a request's Admission reply is written before its first TokenBatch and each request's
+deltas leave in step order.
 
 The gateway is promised exactly one finished delta per completion it waits for (all n, or those a
 resumed request continues). The engine emits a single index-0 delta when a request with n > 1 is
@@ -30,13 +31,15 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.executor.admission import Departures, admits, predicted_wait_s
 from services.executor.engine.errors import QueueFullError
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.fabric.world import FabricError
-from services.executor.latency import LatencyWindow, TrackedRequest, emit_spans
+from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow, TrackedRequest, emit_spans
 from services.executor.tokenization import render
 from services.executor.wire import token_delta
 from shared import subjects
@@ -52,6 +55,7 @@ IDLE_WAIT_S = 0.05  # how long the thread waits for work when the engine has non
 # Cancels that found no request, remembered in case the admission they meant is still on its way; a
 # gateway cancels an admission only after giving up on it, within seconds, so a few thousand cover it.
 UNMATCHED_CANCEL_MEMORY = 4096
+BUSY_WINDOW_S = 1.0  # telemetry's `busy`: the share of the last second spent stepping
 
 Send = Callable[[Callable[[], Awaitable[None]]], None]
 
@@ -62,7 +66,40 @@ class Snapshot:
     stats: object  # EngineStats
     in_flight: int  # admitted requests not yet finished
     layers: list[int]  # bits per decoder layer, never read halfway through a swap
+    max_num_seqs: int  # the scheduler's batch cap now
+    pages_growth: int  # KV pages the running sequences still take (pages_growth below)
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
+
+
+def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_len: int) -> int:
+    """KV pages the running sequences still take before they end at their max_tokens (or max_model_len).
+
+    A sequence's last token is sampled but never written to the cache, so it ends holding the KV of all
+    its tokens but one. One still to fork into n (its prompt not all computed) becomes n sequences sharing
+    the prompt's pages, each then taking its own pages past the prompt. Sequences writing next into a
+    shared, partly filled block copy it first (copy on write), all but the last of them: one page each.
+    """
+    size = blocks.block_size
+    growth = 0
+    shared: dict[int, int] = {}  # page -> holders, for shared partly filled blocks the next write goes into
+    for seq in running:
+        prompt = len(seq.prompt_ids)
+        kv_end = min(prompt + (seq.params.max_tokens or max_model_len), max_model_len) - 1
+        end_blocks = -(-kv_end // size)
+        if seq.fork_into > 1:
+            prompt_blocks = -(-prompt // size)
+            growth += max(0, prompt_blocks - len(seq.block_table))
+            growth += seq.fork_into * max(0, end_blocks - prompt_blocks)
+            if kv_end > prompt and prompt % size:
+                growth += seq.fork_into - 1
+            continue
+        growth += max(0, end_blocks - len(seq.block_table))
+        write_block = seq.num_computed // size
+        if seq.num_computed % size and write_block < len(seq.block_table) and kv_end > seq.num_computed:
+            page = seq.block_table[write_block]
+            if (holders := blocks.ledger.refcount(page)) > 1:
+                shared[page] = holders
+    return growth + sum(holders - 1 for holders in shared.values())
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
@@ -92,6 +129,8 @@ class EngineWorker:
         self.queue_delay = LatencyWindow(latency_window_s)
         self.ttft = LatencyWindow(latency_window_s)
         self.tpot = LatencyWindow(latency_window_s)
+        self.finished = FinishedSamples()  # drained by each telemetry report
+        self.busy = BusyWindow(BUSY_WINDOW_S)
         self._send, self._publish = send, publish
         self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._pending_admissions = pending_admissions
@@ -169,7 +208,10 @@ class EngineWorker:
         self.snapshot = self._take_snapshot()
 
     def _take_snapshot(self) -> Snapshot:
-        return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits))
+        scheduler = self.engine.scheduler
+        return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits),
+                        scheduler.max_num_seqs,
+                        pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len))
 
     def _apply_ops_then_cancels(self, wait: float) -> None:
         # Cancels are taken once the operations are drained, so that one whose admission was queued first
@@ -247,7 +289,8 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            deltas = self.engine.step()
+            with self.busy.measuring():
+                deltas = self.engine.step()
         except Exception as exc:
             log.exception("executor %s: engine step failed; failing %d requests", self.executor, len(self._tracked))
             if isinstance(exc, FabricError):
@@ -297,6 +340,8 @@ class EngineWorker:
             self._departures.record()
         if req.tpot is not None:
             self.tpot.record(req.tpot)
+        if req.first_token is not None:
+            self.finished.add(req.first_token - req.admitted, req.tpot if req.tpot is not None else 0.0)
         try:
             emit_spans(req, now)
         except Exception:

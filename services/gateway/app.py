@@ -137,10 +137,13 @@ class _Guard:
 _REF = "#/components/schemas/{model}"
 
 
-def _body_schema(model) -> dict:
-    schema = model.model_json_schema(ref_template=_REF)
-    schema.pop("$defs", None)  # hoisted into components by _openapi_with_bodies
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+def _body_schema(*models) -> dict:
+    """The request body of a route that takes one of `models` (exactly one of them matches a valid body)."""
+    schemas = [model.model_json_schema(ref_template=_REF) for model in models]
+    for schema in schemas:
+        schema.pop("$defs", None)  # hoisted into components by _openapi_with_bodies
+    body = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
 
 
 def _openapi_with_bodies(app: FastAPI):
@@ -231,7 +234,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def cluster():
         return admin.cluster_body(gw.dispatcher.state)
 
-    @app.post("/v1/cluster/morph", openapi_extra=_body_schema(admin.MorphRequest))
+    @app.post("/v1/cluster/morph", openapi_extra=_body_schema(*admin.MORPH_BODIES))
     async def cluster_morph(request: Request):
         return await admin.morph(gw.dispatcher, gw.commands, await read_json(gw, request))
 

@@ -17,6 +17,10 @@ after `suspect_after_s` an executor gets no new requests but keeps its running o
 (nobody answers on its subjects any more: `mark_gone`), and a process that restarted by the new
 `instance` in its telemetry, which counts a restart even when no heartbeat was missed.
 
+Each executor's finished requests feed its SLO window (slo.py), which a restart starts afresh like the
+smoothed load. The samples themselves are left out of the raw report the state carries: the state goes out
+less often than reports come, so the samples it showed would be some of them, and the window has them all.
+
 The instances (DESIGN.md, "Instances across executors") are read off the live leaders' telemetry: a
 leader is the one member that takes requests, so an instance whose leader is dead is no instance the
 gateway can use, whatever its followers still report.
@@ -25,6 +29,7 @@ gateway can use, whatever its followers still report.
 import math
 from dataclasses import dataclass, field
 
+from services.monitor.slo import SloTracker
 from shared.config import MonitorConfig
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan
 
@@ -54,6 +59,7 @@ class _Executor:
     kv_usage: float
     queue_delay_s: float
     waiting: float
+    slo: SloTracker
     restarts: int = 0
     gone: bool = False  # its process was found gone (mark_gone) and has not reported since
     reported: str | None = None  # the last transition handed out: None before the first "up"
@@ -84,10 +90,16 @@ class ClusterView:
         if e is not None and e.last_seen < checked_at:
             e.gone = True
 
+    def _slo_tracker(self) -> SloTracker:
+        return SloTracker(self.config.slo_ttft_s, self.config.slo_tpot_s, self.config.slo_window_s)
+
     def observe(self, t: ExecutorTelemetry, now: float) -> None:
+        samples, t = t.requests, (t.model_copy(update={"requests": []}) if t.requests else t)
         e = self._executors.get(t.executor)
         if e is None:
-            self._executors[t.executor] = _Executor(t, now, kv_usage(t), t.queue_delay_s, float(t.waiting))
+            e = _Executor(t, now, kv_usage(t), t.queue_delay_s, float(t.waiting), self._slo_tracker())
+            e.slo.add(samples, now)
+            self._executors[t.executor] = e
             return
         restarted = t.instance != e.telemetry.instance
         if e.reported == UP and (restarted or not self.alive(t.executor, now)):
@@ -99,11 +111,13 @@ class ClusterView:
             # A new process starts from nothing: its predecessor's load says nothing about it.
             e.restarts += 1
             e.kv_usage, e.queue_delay_s, e.waiting = kv_usage(t), t.queue_delay_s, float(t.waiting)
+            e.slo = self._slo_tracker()
         else:
             a = ewma_alpha(now - e.last_seen, self.config.ewma_half_life_s)
             e.kv_usage += a * (kv_usage(t) - e.kv_usage)
             e.queue_delay_s += a * (t.queue_delay_s - e.queue_delay_s)
             e.waiting += a * (t.waiting - e.waiting)
+        e.slo.add(samples, now)
         e.telemetry = t
         e.gone = False
         e.last_seen = max(e.last_seen, now)
@@ -113,7 +127,7 @@ class ClusterView:
             ExecutorState(executor=name, alive=self.alive(name, now), suspect=self.suspect(name, now),
                           restarts=e.restarts, last_seen=e.last_seen,
                           kv_usage=e.kv_usage, queue_delay_s=e.queue_delay_s, waiting=e.waiting,
-                          telemetry=e.telemetry)
+                          telemetry=e.telemetry, slo=e.slo.window(now))
             for name, e in sorted(self._executors.items())], instances=self.instances(now))
 
     def instances(self, now: float) -> list[InstancePlan]:

@@ -26,7 +26,7 @@ import uuid
 from services.monitor.aggregate import UP, ClusterView
 from shared import subjects
 from shared.bus import Bus, BusError, Incoming, NoResponders, StreamError, stop_on_signals, unsubscribe
-from shared.config import EventStreamConfig, MonitorConfig, parse_size
+from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
 from shared.messages import Command, CommandResult, Event, ExecutorTelemetry, PingArgs
 from shared.telemetry import setup_tracing
 
@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="days the event stream keeps an event (default %(default)g)")
     parser.add_argument("--events-max-bytes", type=parse_size, default=defaults.events.max_bytes,
                         help="size at which the event stream drops its oldest events, e.g. 1GiB (default 256MiB)")
+    parser.add_argument("--slo-ttft", type=seconds(), default=defaults.slo_ttft_s, metavar="SECONDS",
+                        help="the time-to-first-token SLO a request violates above it (default %(default)g)")
+    parser.add_argument("--slo-tpot", type=seconds(), default=defaults.slo_tpot_s, metavar="SECONDS",
+                        help="the time-per-output-token SLO a request violates above it (default %(default)g)")
+    parser.add_argument("--slo-window", type=seconds(), default=defaults.slo_window_s, metavar="SECONDS",
+                        help="seconds of finished requests each executor's SLO-violation rate is over "
+                             "(default %(default)g)")
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be positive")
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = MonitorConfig(nats_url=args.nats, publish_interval_s=args.interval,
                                suspect_after_s=args.suspect_after, dead_after_s=args.dead_after,
-                               ewma_half_life_s=args.half_life, events=events)
+                               ewma_half_life_s=args.half_life, slo_ttft_s=args.slo_ttft,
+                               slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, events=events)
     except ValueError as exc:  # the thresholds' rule lives with them, in MonitorConfig
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

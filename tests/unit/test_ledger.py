@@ -52,6 +52,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.assign_slot(0, range(0, 6))
         self.slot = set(range(0, 6))
         self.refs: dict[int, int] = {}
+        self.absent: set[int] = set()
 
     @rule()
     def allocate(self):
@@ -84,7 +85,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def relocate(self, data):
         page = data.draw(st.sampled_from(sorted(self.refs)))
         avoid = set(data.draw(st.lists(st.integers(0, 23), max_size=8)))
-        room = [p for p in range(24) if p not in self.refs and p not in self.slot and p not in avoid]
+        room = [p for p in range(24) if p not in self.refs and p not in self.slot and p not in self.absent
+                and p not in avoid]
         if not room:
             with pytest.raises(LedgerError):
                 self.ledger.relocate(page, avoid)
@@ -107,8 +109,26 @@ class LedgerMachine(RuleBasedStateMachine):
         self.slot.discard(tail)
 
     @rule(page=st.integers(0, 23))
+    def withdraw(self, page):
+        if page in self.refs or page in self.slot or page in self.absent:
+            with pytest.raises(LedgerError):
+                self.ledger.withdraw(range(page, page + 1))
+        else:
+            self.ledger.withdraw(range(page, page + 1))
+            self.absent.add(page)
+
+    @rule(page=st.integers(0, 23))
+    def reinstate(self, page):
+        if page not in self.absent:
+            with pytest.raises(LedgerError):
+                self.ledger.reinstate(range(page, page + 1))
+        else:
+            self.ledger.reinstate(range(page, page + 1))
+            self.absent.discard(page)
+
+    @rule(page=st.integers(0, 23))
     def grow_slot(self, page):
-        if page in self.refs or page in self.slot:
+        if page in self.refs or page in self.slot or page in self.absent:
             with pytest.raises(LedgerError):
                 self.ledger.assign_slot(0, range(page, page + 1))
         else:
@@ -121,7 +141,8 @@ class LedgerMachine(RuleBasedStateMachine):
         snap = self.ledger.snapshot()
         assert snap.pages_slot == len(self.slot)
         assert snap.pages_kv_used == len(self.refs)
-        assert snap.pages_kv_free == 24 - len(self.slot) - len(self.refs)
+        assert snap.pages_kv_free == 24 - len(self.slot) - len(self.refs) - len(self.absent)
+        assert snap.pages_total == 24 - len(self.absent)
         assert all(self.ledger.refcount(p) == n for p, n in self.refs.items())
 
 

@@ -1,5 +1,5 @@
-"""The cluster view without a bus or a clock: smoothing, liveness (suspect, dead, gone), restarts and up/down
-transitions."""
+"""The cluster view without a bus or a clock: smoothing, liveness (suspect, dead, gone), restarts, up/down
+transitions and SLO windows."""
 
 import math
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from services.monitor.aggregate import ClusterView, ewma_alpha
 from shared.config import MonitorConfig
-from shared.messages import ExecutorTelemetry, InstancePlan, KvPages
+from shared.messages import ExecutorTelemetry, InstancePlan, KvPages, RequestLatency
 from shared.plans import tp_plans
 
 
@@ -208,3 +208,33 @@ def test_without_plans_there_are_no_instances():
     view = ClusterView(MonitorConfig())
     view.observe(telemetry("a", 0.0), now=0.0)
     assert view.state(0.0).instances == [] and len(view.state(0.0).executors) == 1
+
+
+def finished(report: ExecutorTelemetry, *latencies: tuple[float, float]) -> ExecutorTelemetry:
+    """`report` carrying requests finished since the previous one, as (ttft_s, tpot_s)."""
+    return report.model_copy(update={"requests": [RequestLatency(ttft_s=t, tpot_s=p) for t, p in latencies]})
+
+
+def test_each_executor_has_the_slo_window_of_its_own_finished_requests():
+    view = ClusterView(MonitorConfig(slo_ttft_s=1.0, slo_tpot_s=0.1, slo_window_s=5.0))
+    view.observe(finished(telemetry("a", 0.0), (0.5, 0.05), (3.0, 0.05)), now=0.0)
+    view.observe(finished(telemetry("a", 0.1), (0.4, 0.05)), now=0.1)
+    view.observe(telemetry("a", 0.2), now=0.2)  # nothing finished since: the window still has all three
+    view.observe(finished(telemetry("b", 0.2), (0.2, 0.5)), now=0.2)
+    a, b = view.state(0.3).executors
+    assert (a.slo.requests, a.slo.violation_rate, a.slo.ttft_p95_s) == (3, 1 / 3, 3.0)
+    assert (b.slo.requests, b.slo.violation_rate, b.slo.tpot_p50_s) == (1, 1.0, 0.5)
+    assert a.telemetry.requests == [] and b.telemetry.requests == []  # the window has them, not one report
+    later = view.state(5.05).executors[0].slo  # the first report's two have left the window
+    assert (later.requests, later.violation_rate) == (1, 0.0)
+
+
+def test_a_restarted_executor_starts_a_fresh_slo_window():
+    view = ClusterView(MonitorConfig(slo_ttft_s=1.0, slo_tpot_s=0.1, slo_window_s=10.0))
+    view.observe(finished(telemetry("a", 0.0), (5.0, 0.5), (4.0, 0.5)), now=0.0)
+    assert view.state(0.0).executors[0].slo.violation_rate == 1.0
+    view.observe(telemetry("a", 0.5, instance="i1"), now=0.5)
+    assert view.state(0.5).executors[0].slo.requests == 0  # the old process's slow requests say nothing of it
+    view.observe(finished(telemetry("a", 0.6, instance="i1"), (0.1, 0.02)), now=0.6)
+    slo = view.state(0.6).executors[0].slo
+    assert (slo.requests, slo.violation_rate, slo.ttft_p50_s) == (1, 0.0, 0.1)

@@ -16,7 +16,8 @@ from services.controller.loop import Controller
 from services.controller.policies.morph import (MorphMemory, MorphSettings, learn_freed_pages, make_policy,
                                                 next_quantize, next_restore, pages_taken_back, plan, settings_for_mode)
 from shared.config import ControllerConfig
-from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
+from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan, KvPages
+from shared.plans import alone
 
 SLOT, FREED, BASE = 10, {8: 5, 4: 7}, 40  # pages per FP16 slot, pages freed per layer, base KV pages
 
@@ -27,6 +28,7 @@ class FakeExecutor:
     layers: list[int] = field(default_factory=lambda: [16] * 8)
     alive: bool = True
     draining: bool = False
+    plan: InstancePlan | None = None
 
     def capacity(self) -> int:
         return BASE + sum(FREED[b] for b in self.layers if b <= 8)
@@ -43,7 +45,7 @@ class FakeExecutor:
                     assert self.layers[i] <= 8, f"layer {i} is not quantized"
                     self.layers[i] = 16
 
-    def state(self, usage: float, waiting: int = 0, delay: float = 0.0) -> ExecutorState:
+    def state(self, usage: float, waiting: int = 0, delay: float = 0.0, growth: int = 0) -> ExecutorState:
         cap = self.capacity()
         used = min(cap, round(usage * cap))
         ext = cap - BASE
@@ -52,7 +54,8 @@ class FakeExecutor:
         t = ExecutorTelemetry(executor=self.name, instance="i0", time=0.0, model="m", max_model_len=64, block_size=16,
                               page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1,
                               waiting=waiting, max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
-                              queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining)
+                              queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=self.plan,
+                              pages_growth=growth)
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
                              queue_delay_s=delay, waiting=waiting, telemetry=t)
 
@@ -136,6 +139,26 @@ def test_release_test_blocks_a_restore_while_the_kv_in_use_would_not_fit():
         assert not d.window(0.1, waiting=1)
     assert not d.window(0.7)  # 35 used: 38.5 <= 40
     assert d.window(0.7)[0].args.model_dump() == {"layers": [1, 0]}
+
+
+def test_a_restore_counts_the_pages_running_sequences_will_still_take():
+    d = Driver(MorphSettings(enter_windows=1, leave_windows=2, min_dwell_s=0.0, step=2, max_layers=2,
+                             bits_order=(8,), kv_high=0.99, kv_low=0.9, release_margin=0.1))
+    d.window(PRESSURE)  # capacity 40 -> 50 pages
+    # 10 pages in use fit the 40 left after a restore many times over, but the burst's sequences will take
+    # 30 more: (10 + 30) * 1.1 > 40 keeps the extension.
+    assert not any(d.window(0.2, growth=30) for _ in range(50))
+    assert not d.window(0.2, growth=20)  # 33 <= 40, and 10 + 20 <= 0.9 * 40: the calm run starts
+    assert d.window(0.2, growth=20)[0].args.model_dump() == {"layers": [1, 0]}
+    assert d.log[-1][1].inputs["pages_growth"] == 20 and d.log[-1][1].inputs["pages_taken_back"] == 10
+
+
+def test_only_standalone_executors_morph():
+    in_pair = FakeExecutor(plan=InstancePlan(id="i0", leader="e0", members=["e0", "e1"],
+                                             layers=alone("e0", 8).layers))
+    paired, single = Driver(executor=in_pair), Driver(executor=FakeExecutor(plan=alone("e0", 8)))
+    assert not any(paired.window(PRESSURE) for _ in range(20))
+    assert any(single.window(PRESSURE) for _ in range(20))
 
 
 def test_freed_pages_are_learned_and_unknown_widths_bounded_from_above():

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.messages import InstancePlan, LayerPlan
-from shared.plans import (PlanError, alone, check_plans, instance_plans, layers_on, parse_plans, plan_of, plans_json,
-                          quantized_layers, read_plan_file, segments, tp_plans)
+from shared.messages import EvictArgs, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
+from shared.plans import (OperationRefused, PlanError, alone, check_plans, instance_plans, layers_on, parse_plans,
+                          plan_of, plans_json, quantized_layers, read_plan_file, reshaped, segments, tp_plans)
 
 EXECS = ["exec0", "exec1", "exec2", "exec3"]
 
@@ -124,8 +124,6 @@ REJECTED = [
      r"instances\[0\]\.layers\[1\]\.placement: a TP2 instance shards every layer over all its members"),
     (TWO, [instance(TWO, [["exec0", "exec0"], ["exec1"]])],
      r"instances\[0\]\.layers\[0\]\.placement: an executor is named twice"),
-    (TWO, [instance(TWO, [["exec0"], ["exec0"]])],
-     r"instances\[0\]\.layers: member 'exec1' computes no layer"),
     (TWO, [instance(["exec0"], all_on(["exec0"], 3), bits=[16, 2, 16]),
            instance(["exec1"], all_on(["exec1"], 3))],
      r"instances\[0\]\.layers\[1\]\.bits: "),
@@ -207,28 +205,24 @@ def test_segments_cover_every_layer_once_in_order_and_neighbours_differ(layers):
 
 @settings(max_examples=200, deadline=None)
 @given(placements.filter(bool), st.lists(st.sampled_from([16, 8, 4]), min_size=24, max_size=24))
-def test_a_tp1_plan_is_accepted_exactly_when_each_member_computes_a_layer(layers, bits):
+def test_a_tp1_plan_is_accepted_with_spare_members_that_compute_nothing_yet(layers, bits):
     members = sorted({m for p in layers for m in p})
-    others = [e for e in EXECS if e not in members]
-    data = {"instances": [{"members": members, "layers": [{"placement": p, "bits": b} for p, b in zip(layers, bits)]},
+    spares = [e for e in EXECS if e not in members][:1]  # a spare takes replicas at run time
+    others = [e for e in EXECS if e not in members and e not in spares]
+    data = {"instances": [{"members": [*members, *spares],
+                           "layers": [{"placement": p, "bits": b} for p, b in zip(layers, bits)]},
                           *({"members": [e], "layers": [{"placement": [e]}] * len(layers)} for e in others)]}
     plans = parse_plans(data, EXECS, len(layers))
     assert plans[0].leader == members[0] and [layer.bits for layer in plans[0].layers] == bits[:len(layers)]
-    # A member that computes nothing is refused.
-    idle = [e for e in EXECS if e not in members]
-    if idle:
-        data["instances"] = [{"members": [*members, idle[0]], "layers": data["instances"][0]["layers"]},
-                             *({"members": [e], "layers": [{"placement": [e]}] * len(layers)} for e in idle[1:])]
-        with pytest.raises(PlanError, match=rf"^instances\[0\]\.layers: member '{idle[0]}' computes no layer"):
-            parse_plans(data, EXECS, len(layers))
+    assert plans[0].members == [*members, *spares]
 
 
-def test_quantized_layers_groups_what_the_plan_does_not_keep_at_full_precision_by_position():
+def test_quantized_layers_groups_what_the_plan_does_not_keep_at_full_precision():
     [plan] = parse_plans({"instances": [{"members": ["exec0"], "layers": [
         {"placement": ["exec0"], "bits": 8}, {"placement": ["exec0"]}, {"placement": ["exec0"], "bits": 4},
         {"placement": ["exec0"], "bits": 8}]}]}, ["exec0"], 4)
     assert quantized_layers(plan) == {8: [0, 3], 4: [2]}
-    assert quantized_layers(plan, [2, 3]) == {4: [0], 8: [1]}  # positions in the given layers: a member's own
+    assert quantized_layers(plan, {2, 3}) == {4: [2], 8: [3]}  # of the layers a member holds
 
 
 def test_instance_plans_take_the_file_else_tp_at_the_static_bits(tmp_path):
@@ -239,3 +233,45 @@ def test_instance_plans_take_the_file_else_tp_at_the_static_bits(tmp_path):
         {"placement": ["exec0", "exec1"]}]}]}))
     [plan] = instance_plans(["exec0", "exec1"], 1, tp=2, plan_file=path)
     assert plan.leader == "exec1"
+
+
+# --- CoCoServe's operations on a running instance's plan ---------------------------------------------
+
+def _two_member_plan(num_layers: int = 6) -> InstancePlan:
+    layers = [{"placement": ["exec0"], "bits": 8}] * num_layers
+    [plan] = parse_plans({"instances": [{"members": TWO, "layers": layers}]}, TWO, num_layers)
+    return plan
+
+
+def test_replicate_migrate_and_evict_change_only_the_layers_named():
+    plan = _two_member_plan()
+    replicated = reshaped(plan, ReplicateArgs(instance="i0", layers=[1, 3], to="exec1"))
+    both = ["exec0", "exec1"]
+    assert [layer.placement for layer in replicated.layers] == [["exec0"], both, both, both, ["exec0"], ["exec0"]]
+    assert [layer.bits for layer in replicated.layers] == [8] * 6  # a replica keeps the layer's bits
+    migrated = reshaped(replicated, MigrateArgs(instance="i0", layers=[3, 4], source="exec0", to="exec1"))
+    assert [layer.placement for layer in migrated.layers][2:5] == [["exec0", "exec1"], ["exec1"], ["exec1"]]
+    evicted = reshaped(migrated, EvictArgs(instance="i0", layers=[1, 2], source="exec1"))
+    assert [layer.placement for layer in evicted.layers] == [["exec0"]] * 3 + [["exec1"]] * 2 + [["exec0"]]
+    assert [layer.placement for layer in plan.layers] == [["exec0"]] * 6  # the input is never changed
+
+
+@pytest.mark.parametrize("op, why", [
+    (ReplicateArgs(instance="i9", layers=[0, 1], to="exec1"), "not 'i9'"),
+    (ReplicateArgs(instance="i0", layers=[4, 6], to="exec1"), "the model has 6 decoder layers"),
+    (ReplicateArgs(instance="i0", layers=[0, 1], to="exec7"), "'exec7' is not a member"),
+    (ReplicateArgs(instance="i0", layers=[0, 1], to="exec0"), "layer 0 is already on exec0"),
+    (MigrateArgs(instance="i0", layers=[0, 1], source="exec1", to="exec0"), "layer 0 is not on exec1"),
+    (MigrateArgs(instance="i0", layers=[0, 1], source="exec0", to="exec0"), "two different members"),
+    (EvictArgs(instance="i0", layers=[2, 2], source="exec0"), "evicting its last copy"),
+    (EvictArgs(instance="i0", layers=[2, 2], source="exec1"), "no replica on exec1"),
+])
+def test_an_operation_the_plan_does_not_allow_is_refused_with_the_reason(op, why):
+    with pytest.raises(OperationRefused, match=why):
+        reshaped(_two_member_plan(), op)
+
+
+def test_a_tp_instance_refuses_layer_operations():
+    [plan] = tp_plans(TWO, 2, 4)
+    with pytest.raises(OperationRefused, match="TP2"):
+        reshaped(plan, ReplicateArgs(instance=plan.id, layers=[0, 0], to="exec1"))

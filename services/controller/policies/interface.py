@@ -1,7 +1,8 @@
 """What every policy is: a pure function from the cluster state to the commands it wants sent."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, CommandArgs
@@ -12,6 +13,9 @@ class PlannedCommand:
     executor: str
     args: CommandArgs
     reason: str = ""  # why, in a sentence with the numbers that decided it: kept in the audit event
+    # The signals the decision saw (violation rate, vacancy, predicted speed-up, ...), by name: kept in the
+    # audit event beside the reason, so that a decision can be checked against its inputs afterwards.
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 # (current state, earlier states oldest first, config) -> commands to send.

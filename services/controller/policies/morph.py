@@ -19,10 +19,15 @@ closure; the controller's history is not replayed because the memory is that his
 Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s, or
 requests wait that cannot be admitted (the queue is full, or the free KV would not hold one
 sequence of max_model_len). Calm, and the release test, both about the next restore: nothing
-waits, the delay is ≤ queue_delay_low_s, the KV in use now fits the capacity left after the restore
+waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
 with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks
 are measured against the capacity *after* the restore because a fixed fraction of the enlarged
-capacity is reached tens of seconds after the smaller one would already suffice.
+capacity is reached tens of seconds after the smaller one would already suffice. "In use" counts
+the pages the running sequences will still take (`pages_growth`) beside those they hold: early in a
+burst its sequences are short, and a restore judged on what they hold would come back mid-burst.
+
+Only standalone executors morph (no plan, or an instance of one member): an instance of several
+members refuses to quantize, and its rungs are CoCoServe's (policies/cocoserve.py).
 """
 
 import math
@@ -209,8 +214,13 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
     capacity = t.kv.pages_free + t.kv.pages_used
     after = capacity - taken_back
     return (t.waiting == 0 and es.queue_delay_s <= settings.queue_delay_low_s and after > 0
-            and t.kv.pages_used * (1 + settings.release_margin) <= after
-            and es.kv_usage * capacity <= settings.kv_low * after)
+            and (t.kv.pages_used + t.pages_growth) * (1 + settings.release_margin) <= after
+            and es.kv_usage * capacity + t.pages_growth <= settings.kv_low * after)
+
+
+def standalone(es: ExecutorState) -> bool:
+    plan = es.telemetry.plan
+    return plan is None or len(plan.members) == 1
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
@@ -218,7 +228,15 @@ def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
     t = es.telemetry
     return (f"KV {es.kv_usage:.0%} used (marks {settings.kv_low:.0%}/{settings.kv_high:.0%}), queue delay "
             f"{es.queue_delay_s:.2f} s (marks {settings.queue_delay_low_s:g}/{settings.queue_delay_high_s:g} s), "
-            f"{t.waiting} waiting, {t.kv.pages_free} KV pages free")
+            f"{t.waiting} waiting, {t.kv.pages_free} KV pages free, {t.pages_growth} still to be taken")
+
+
+def load_inputs(es: ExecutorState, taken_back: int) -> dict:
+    """The same signals by name, for the audit event's inputs."""
+    t = es.telemetry
+    return {"kv_usage": es.kv_usage, "queue_delay_s": es.queue_delay_s, "waiting": t.waiting,
+            "pages_free": t.kv.pages_free, "pages_used": t.kv.pages_used, "pages_growth": t.pages_growth,
+            "pages_extension": t.kv.pages_extension, "pages_taken_back": taken_back}
 
 
 SettingsSource = MorphSettings | Callable[[int], MorphSettings]
@@ -237,16 +255,17 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.
     pressure = up is not None and under_pressure(es, settings)
-    calm = bool(down) and release_ok(es, settings, pages_taken_back(freed, t.layers,
-                                                                    t.kv.pages_extension, down))
+    taken_back = pages_taken_back(freed, t.layers, t.kv.pages_extension, down) if down else 0
+    calm = bool(down) and release_ok(es, settings, taken_back)
     event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now)
     commands = []
     if event == "enter" and up is not None:
         why = f"pressure for {settings.enter_windows} windows: {load_summary(es, settings)}"
-        commands.append(PlannedCommand(es.executor, QuantizeArgs(layers=up[0], bits=up[1]), why))
+        commands.append(PlannedCommand(es.executor, QuantizeArgs(layers=up[0], bits=up[1]), why,
+                                       load_inputs(es, 0)))
     elif event == "leave":
         why = f"calm for {settings.leave_windows} windows: {load_summary(es, settings)}"
-        commands.append(PlannedCommand(es.executor, RestoreArgs(layers=down), why))
+        commands.append(PlannedCommand(es.executor, RestoreArgs(layers=down), why, load_inputs(es, taken_back)))
     return commands, ExecutorMemory(hysteresis, freed)
 
 
@@ -257,6 +276,8 @@ def plan(state: ClusterState, memory: MorphMemory,
     commands: list[PlannedCommand] = []
     executors: dict[str, ExecutorMemory] = {}
     for es in state.executors:
+        if not standalone(es):
+            continue
         s = settings(len(es.telemetry.layers)) if callable(settings) else settings
         previous = memory.executors.get(es.executor, ExecutorMemory())
         if s.mode == "off":

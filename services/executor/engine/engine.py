@@ -30,9 +30,10 @@ from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
 from services.executor.fabric.leader import InstanceRunner
 from services.executor.fabric.member import InstanceMember, Seat
+from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.messages import ResumedCompletion
+from shared.errors import InvalidCommandError, InvalidRequestError
+from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs, ResumedCompletion
 from shared.sampling import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -293,6 +294,21 @@ class LLMEngine:
             return None
         seed = params.seed + index if params.seed is not None else self._rng.randrange(1 << 62)
         return torch.Generator(device=self.config.device).manual_seed(seed)
+
+    # --- CoCoServe's operations ---------------------------------------------------------------
+    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs) -> dict:
+        """Replicate, migrate or evict layers of the instance this engine leads, between two steps."""
+        if self.member is None:
+            raise ReshapeRefused("this executor serves alone: its layers have no other member to go to")
+        return self.runner.reshape(op, self.scheduler)
+
+    def set_max_num_seqs(self, cap: int) -> int:
+        """Run at most `cap` sequences at once from now on (running ones go on); returns the cap before."""
+        if not 1 <= cap <= self.config.max_num_seqs:
+            raise InvalidCommandError(f"max_num_seqs must be between 1 and {self.config.max_num_seqs} (the engine's "
+                                      f"configured batch), got {cap}", "args.max_num_seqs")
+        before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, cap
+        return before
 
     # --- reading ------------------------------------------------------------------------------
     def keepalive(self) -> None:

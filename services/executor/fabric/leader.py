@@ -2,16 +2,19 @@
 
 It builds the packed batch exactly as the one-executor runner does (in block ids, the instance's KV
 numbering), adds for every replicated layer range each replica's rows and sub-batch, and hands the step to
-its InstanceMember, which sends it to the members and runs the leader's part.
+its InstanceMember, which sends it to the members and runs the leader's part. Which replica holds a
+request's KV for a range is remembered here (`sticky`, per segment), and reshaped with the plan.
 """
 
 import torch
 
 from services.executor.engine.runner import ModelRunner, batch_order
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.replicas import assign_replicas, rows_by_replica
+from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs
 
 
 class InstanceRunner(ModelRunner):
@@ -20,9 +23,13 @@ class InstanceRunner(ModelRunner):
         # its part to its own device.
         super().__init__(member.model, block_size, "cpu")
         self.member = member
-        self.replicated = [(i, s) for i, s in enumerate(member.segments)
-                           if len(s.placement) > 1 and member.plan.tp == 1]
-        self._sticky: list[dict[str, str]] = [{} for _ in self.replicated]  # request id -> replica, per range
+        self.sticky: dict[int, dict[str, str]] = {}  # replicated segment -> request id -> replica
+
+    @property
+    def replicated(self) -> list[int]:
+        if self.member.plan.tp > 1:
+            return []
+        return [i for i, s in enumerate(self.member.segments) if len(s.placement) > 1]
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         chunks = batch_order(out.chunks)
@@ -35,8 +42,14 @@ class InstanceRunner(ModelRunner):
     def keepalive(self) -> None:
         self.member.keepalive()
 
+    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs, scheduler: Scheduler) -> dict:
+        """Apply a CoCoServe operation between two steps; ReshapeRefused (nothing changed) or a report."""
+        report, self.sticky = reshape.lead(self.member, scheduler, self.sticky, op)
+        return report
+
     def _replica_parts(self, chunks: list[ScheduledChunk]) -> list[wire.ReplicaPart]:
-        if not self.replicated:
+        replicated = self.replicated
+        if not replicated:
             return []
         spans, row = [], 0
         for c in chunks:
@@ -44,10 +57,12 @@ class InstanceRunner(ModelRunner):
             row += c.length
         members = self.member.plan.members
         parts = []
-        for (index, segment), sticky in zip(self.replicated, self._sticky):
-            owners = assign_replicas([(c.seq.request_id, c.length) for c in chunks], segment.placement, sticky)
+        for index in replicated:
+            placement = self.member.segments[index].placement
+            sticky = self.sticky.setdefault(index, {})
+            owners = assign_replicas([(c.seq.request_id, c.length) for c in chunks], placement, sticky)
             sticky.update(owners)
-            rows = rows_by_replica(spans, [owners[c.seq.request_id] for c in chunks], segment.placement)
+            rows = rows_by_replica(spans, [owners[c.seq.request_id] for c in chunks], placement)
             for replica, replica_rows in rows.items():
                 if replica_rows:
                     mine = [c for c in chunks if owners[c.seq.request_id] == replica]
@@ -57,5 +72,5 @@ class InstanceRunner(ModelRunner):
 
     def forget(self, request_id: str) -> None:
         """A request that ended: its KV is gone from every replica, so it needs no replica any more."""
-        for sticky in self._sticky:
+        for sticky in self.sticky.values():
             sticky.pop(request_id, None)

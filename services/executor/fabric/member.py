@@ -1,9 +1,11 @@
 """One executor's part of an instance that spans several: its layers, its KV pages, the step protocol.
 
-Every member holds a DecoderModel over just its layers (and of each, its TP shard: shards.py) in its own
-arena. KV is named by the instance's block ids: at start the members agree on how many blocks the instance
-has (the fewest any member can hold) and each maps block b to a page of its own arena, so the leader's
-scheduler allocates for all of them and no page is ever asked of a member that lacks it.
+Every member holds a DecoderModel with the layers it computes (and of each, its TP shard: shards.py) in
+its own arena; a layer keeps its index everywhere, and its slot its place in every member's arena, so that
+a layer can come to a member later (reshape.py) the way a restore takes back a slot. KV is named by the
+instance's block ids: the members agree on how many blocks the instance has (the fewest any member can back
+outside its slots) and each maps block b to a page of its own arena (`page_of`, taken from its ledger), so
+the leader's scheduler allocates for all of them and no page is ever asked of a member that lacks it.
 
 A step, leader and followers in lock-step (the leader sends the StepPlan first, step.py):
   embed (the leader; in a TP instance every member, so that no hidden state needs sending)
@@ -29,6 +31,7 @@ from services.executor.engine.memory.ledger import LedgerSnapshot, PageLedger
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk, layer_layout
 from services.executor.engine.morphing.swapper import LayerSwapper
+from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, World, checked
@@ -53,80 +56,125 @@ class InstanceMember:
     def __init__(self, seat: Seat, config: EngineConfig, checkpoint: Checkpoint, dtype: torch.dtype,
                  max_model_len: int, progress: bool = True):
         world, plan, me = seat.world, seat.plan, seat.me
-        self.world, self.plan, self.me = world, plan, me
+        self.world, self.me = world, me
         self.leader = plan.leader
         self.is_leader = me == plan.leader
         self.device = torch.device(config.device)
-        self.segments: list[Segment] = segments(plan)
-        layers = layers_on(plan, me)
-        self.local_index = {layer: i for i, layer in enumerate(layers)}
-        self.shard = Shard(tuple(layers), plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
+        self.adopt(plan)
+        self.shard = Shard(plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
         view = MemberCheckpoint(checkpoint, self.shard, dtype)
         cfg = view.config
         self.group = world.group(plan.members)
+        held = layers_on(plan, me)
         geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
-        self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device)
+        self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device,
+                           held)
         reduce = self._all_reduce if plan.tp > 1 else None
-        self.model = DecoderModel(cfg, self.arena, view, dtype, config.device, max_model_len, progress, reduce)
+        self.model = DecoderModel(cfg, self.arena, view, dtype, config.device, max_model_len, progress, reduce, held)
         self.hidden_size, self.dtype = cfg.hidden_size, dtype
-        self._quantize_as_planned()
-        self.pages, self.blocks = self._agree_on_blocks()
+        self.min_blocks = geometry.pages_for_tokens(max_model_len)  # an instance holds one longest sequence
+        self._quantize_as_planned(held)
+        self.capacity, blocks = self._agree_on_blocks()
+        self.page_of: list[int] = []  # block id -> our page
+        self.map_blocks(blocks)
+        self.blocks = PageLedger(self.capacity)  # the instance's block ids (the leader allocates them)
+        self.blocks.withdraw(range(blocks, self.capacity))
         self.kv_free, self.kv_used = self.blocks.num_free, 0  # a follower's copy of the leader's counts
         self.broken = False
         self.last_sent = time.monotonic()
-        log.info("executor %s: member of instance %s (%s), %d KV blocks of %d tokens", me, plan.id,
-                 self.shard.describe(), self.blocks.num_pages, config.block_size)
+        log.info("executor %s: member of instance %s (%s, layers %s), %d KV blocks of %d tokens", me, plan.id,
+                 self.shard.describe(), held, blocks, config.block_size)
+
+    def adopt(self, plan: InstancePlan) -> None:
+        """Serve `plan` from the next step on."""
+        self.plan = plan
+        self.segments: list[Segment] = segments(plan)
 
     # --- start ----------------------------------------------------------------------------------
-    def _quantize_as_planned(self) -> None:
-        by_bits = quantized_layers(self.plan, list(self.local_index))  # positions in our layers: local indices
+    def _quantize_as_planned(self, held: list[int]) -> None:
+        by_bits = quantized_layers(self.plan, set(held))
         if by_bits:
             swapper = LayerSwapper(self.model, self.arena, scheduler=None)
-            for bits, local in by_bits.items():
-                swapper.set_bits(local, bits)
+            for bits, layers in by_bits.items():
+                swapper.set_bits(layers, bits)
 
-    def _agree_on_blocks(self) -> tuple[torch.Tensor, PageLedger]:
-        """The instance has as many KV blocks as its smallest member has free pages; ours are our highest."""
+    def _agree_on_blocks(self) -> tuple[int, int]:
+        """(the most blocks the instance could ever have, the blocks it has now: as many as the member with the
+        fewest free pages can back)."""
         ledger = self.arena.ledger
-        count = torch.tensor([ledger.num_free], dtype=torch.int64)
+        counts = torch.tensor([ledger.num_pages, ledger.num_free], dtype=torch.int64)
         with checked(f"instance {self.plan.id}: agreeing on the KV block count"):
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)
-        blocks = int(count)
-        free = sorted((p for p in range(ledger.num_pages) if ledger.slot_of(p) is None), reverse=True)
-        return torch.tensor(free[:blocks], dtype=torch.int64, device=self.device), PageLedger(blocks)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.group)
+        capacity, blocks = counts.tolist()
+        return capacity, blocks
+
+    # --- block ids to our pages -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.page_of)
+
+    def map_blocks(self, count: int) -> None:
+        """Back blocks up to `count` with pages of ours (fresh blocks are zeroed when first used)."""
+        while len(self.page_of) < count:
+            self.page_of.append(self.arena.ledger.allocate())
+        self.pages = torch.tensor(self.page_of, dtype=torch.int64, device=self.device)
+
+    def unmap_blocks(self, count: int) -> None:
+        """Give back the pages of the blocks from `count` on (the instance no longer has them)."""
+        for page in self.page_of[count:]:
+            self.arena.ledger.decref(page)
+        del self.page_of[count:]
+        self.pages = torch.tensor(self.page_of, dtype=torch.int64, device=self.device)
+
+    def vacate(self, pages: set[int]) -> int:
+        """Move the blocks whose pages are in `pages` to free pages elsewhere (a slot is about to take them)."""
+        ledger, kv = self.arena.ledger, self.arena.kv_cache
+        block_at = {page: block for block, page in enumerate(self.page_of)}
+        moved = 0
+        for page in sorted(pages):
+            if page in block_at:
+                new = ledger.relocate(page, pages)
+                kv[new] = kv[page]
+                self.page_of[block_at[page]] = new
+                moved += 1
+        self.pages = torch.tensor(self.page_of, dtype=torch.int64, device=self.device)
+        return moved
 
     # --- the leader's side ------------------------------------------------------------------------
     def lead(self, step: wire.StepPlan) -> torch.Tensor:
         """Send `step` to the members and run our part; the logits of the step's sampled rows."""
-        self._send_step(step)
+        self.send_step(step)
         return self.execute(step)
 
     def keepalive(self) -> None:
         if time.monotonic() - self.last_sent >= KEEPALIVE_S:
-            self._send_step(wire.StepPlan(wire.KEEPALIVE))
+            self.send_step(wire.StepPlan(wire.KEEPALIVE))
 
-    def _send_step(self, step: wire.StepPlan) -> None:
-        step.kv_free, step.kv_used = self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free
-        flat = wire.encode(step)
-        with self._collective("sending a step"):
-            dist.broadcast(torch.tensor([flat.numel()], dtype=torch.int64), self.world.rank_of(self.leader),
-                           group=self.group)
-            dist.broadcast(flat, self.world.rank_of(self.leader), group=self.group)
+    def send_step(self, step: wire.StepPlan) -> None:
+        step.kv_free, step.kv_used = self.blocks.num_free, self.blocks.num_present - self.blocks.num_free
+        self.share(wire.encode(step), "sending a step")
         self.last_sent = time.monotonic()
+
+    def share(self, flat: torch.Tensor | None, what: str) -> torch.Tensor:
+        """The leader's int64 tensor `flat`, on every member (the others pass None)."""
+        leader = self.world.rank_of(self.leader)
+        with self.collective(what):
+            size = torch.tensor([flat.numel() if flat is not None else 0], dtype=torch.int64)
+            dist.broadcast(size, leader, group=self.group)
+            if flat is None:
+                flat = torch.empty(int(size), dtype=torch.int64)
+            dist.broadcast(flat, leader, group=self.group)
+        return flat
 
     # --- a follower's side ------------------------------------------------------------------------
     def follow_one(self) -> None:
         """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it."""
-        leader = self.world.rank_of(self.leader)
-        size = torch.zeros(1, dtype=torch.int64)
-        with self._collective("waiting for the leader's step"):
-            dist.broadcast(size, leader, group=self.group)
-            flat = torch.empty(int(size), dtype=torch.int64)
-            dist.broadcast(flat, leader, group=self.group)
-        step = wire.decode(flat)
+        step = wire.decode(self.share(None, "waiting for the leader's step"))
         self.kv_free, self.kv_used = step.kv_free, step.kv_used
         if step.kind == wire.RUN:
             self.execute(step)
+        elif step.kind == wire.RESHAPE:
+            reshape.follow(self, step)
 
     # --- both -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -151,12 +199,12 @@ class InstanceMember:
             if owner == self.leader:
                 return self.model.run_layers(x, batch, self._local_layers(segment)) if self.is_leader else x
             if self.is_leader:
-                self._hop(x, self.leader, owner)
-                return self._hop(x, owner, self.leader)
+                self.hop(x, self.leader, owner)
+                return self.hop(x, owner, self.leader)
             if self.me == owner:
                 rows = batch.input_ids.shape[0]
-                x = self._hop(self._buffer(rows), self.leader, owner)
-                self._hop(self.model.run_layers(x, batch, self._local_layers(segment)), owner, self.leader)
+                x = self.hop(self._buffer(rows), self.leader, owner)
+                self.hop(self.model.run_layers(x, batch, self._local_layers(segment)), owner, self.leader)
             return None
         return self._replicas(index, segment, x, batch, parts)
 
@@ -167,39 +215,43 @@ class InstanceMember:
         if not self.is_leader:
             if self.me in mine:
                 part = mine[self.me]
-                rows = self._hop(self._buffer(part.rows.numel()), self.leader, self.me)
-                self._hop(self.model.run_layers(rows, self._local(part.batch), layers), self.me, self.leader)
+                rows = self.hop(self._buffer(part.rows.numel()), self.leader, self.me)
+                self.hop(self.model.run_layers(rows, self._local(part.batch), layers), self.me, self.leader)
             return x
         rows = {m: part.rows.to(self.device) for m, part in mine.items()}
         others = [m for m in segment.placement if m != self.leader and m in mine]
         for m in others:
-            self._hop(x[rows[m]], self.leader, m)  # indexing copies: x itself is free to take the results
+            self.hop(x[rows[m]], self.leader, m)  # indexing copies: x itself is free to take the results
         if self.leader in mine:
             x[rows[self.leader]] = self.model.run_layers(x[rows[self.leader]], self._local(mine[self.leader].batch),
                                                          layers)
         for m in others:
-            x[rows[m]] = self._hop(self._buffer(len(rows[m])), m, self.leader)
+            x[rows[m]] = self.hop(self._buffer(len(rows[m])), m, self.leader)
         return x
 
-    def _hop(self, tensor: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    def hop(self, tensor: torch.Tensor, src: str, dst: str, what: str = "hidden states") -> torch.Tensor:
         """Move `tensor` from `src` to `dst` (the receiver passes a buffer of the right shape)."""
-        with self._collective(f"moving hidden states {src} -> {dst}"):
+        with self.collective(f"moving {what} {src} -> {dst}"):
             dist.broadcast(tensor, self.world.rank_of(src), group=self.world.group((src, dst)))
         return tensor
 
+    def barrier(self, what: str) -> None:
+        with self.collective(what):
+            dist.all_reduce(torch.zeros(1), group=self.group)
+
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        with self._collective("all-reducing a TP shard's output"):
+        with self.collective("all-reducing a TP shard's output"):
             dist.all_reduce(partial, group=self.group)
         return partial
 
     def _buffer(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
 
-    def _local_layers(self, segment: Segment) -> range:
-        start = self.local_index[segment.start]
-        return range(start, start + segment.stop - segment.start)
+    @staticmethod
+    def _local_layers(segment: Segment) -> range:
+        return range(segment.start, segment.stop)
 
-    # --- block ids to our pages -------------------------------------------------------------------
+    # --- a step's block ids as our pages ----------------------------------------------------------
     def _pages(self, blocks: torch.Tensor) -> torch.Tensor:
         return self.pages[blocks.to(self.device)]
 
@@ -221,7 +273,7 @@ class InstanceMember:
             raise FabricError(f"instance {self.plan.id} is broken")
 
     @contextlib.contextmanager
-    def _collective(self, what: str):
+    def collective(self, what: str):
         """checked(), and a failure marks the member broken and leaves the world, so that every peer still
         waiting on us fails at once too instead of after its timeout."""
         self._check_whole()
@@ -236,9 +288,9 @@ class InstanceMember:
     def snapshot(self) -> LedgerSnapshot:
         """The arena's pages, with the KV counts of the instance's blocks (the leader's, or its last word)."""
         own = self.arena.ledger.snapshot()
-        free, used = (self.blocks.num_free, self.blocks.num_pages - self.blocks.num_free) if self.is_leader \
+        free, used = (self.blocks.num_free, self.num_blocks - self.blocks.num_free) if self.is_leader \
             else (self.kv_free, self.kv_used)
-        blocks = self.blocks.num_pages
+        blocks = self.num_blocks
         extension = max(0, blocks - own.pages_base)
         return LedgerSnapshot(pages_total=own.pages_total, pages_slot=own.pages_slot, pages_kv_free=free,
                               pages_kv_used=used, pages_base=blocks - extension, pages_extension=extension)

@@ -15,9 +15,10 @@ pieces: gate/up column-split, down row-split. Zero gate/up rows give silu(0)·0 
 add nothing, so the padded shards sum to exactly the unpadded FFN; and since the boundaries are the same
 for every TP degree, a later merge or split (AMOEBAs) never moves a weight inside a piece.
 
-`MemberCheckpoint` presents a checkpoint as the member sees it: a ModelConfig with its layers, heads and
-FFN width, and tensors sliced (and padded) to match, so DecoderModel, the arena, the variant store and the
-swapper work on a shard exactly as on a whole model.
+`MemberCheckpoint` presents a checkpoint as the member sees it: a ModelConfig with its heads and FFN width,
+and tensors sliced (and padded) to match, so DecoderModel, the arena, the variant store and the swapper
+work on a shard exactly as on a whole model. Which layers a member holds is the plan's business, not the
+checkpoint's: layer i keeps its index everywhere (DecoderModel's `held`).
 """
 
 import math
@@ -95,13 +96,12 @@ def pad_channels(w: torch.Tensor, real: list[range], width: int, dim: int) -> to
 
 @dataclass(frozen=True)
 class Shard:
-    """Member `rank` of a TP-`tp` instance, holding the global decoder layers `layers`."""
-    layers: tuple[int, ...]
+    """Member `rank` of a TP-`tp` instance."""
     tp: int = 1
     rank: int = 0
 
     def describe(self) -> str:
-        return f"layers {list(self.layers)} tp{self.tp}.{self.rank}"
+        return f"tp{self.tp}.{self.rank}"
 
 
 class MemberCheckpoint(Checkpoint):
@@ -115,10 +115,10 @@ class MemberCheckpoint(Checkpoint):
             self.heads = head_shards(cfg.num_heads, cfg.num_kv_heads, shard.tp)[shard.rank]
             self.ffn_real, self.ffn_width = ffn_shard(cfg.intermediate_size, shard.tp, shard.rank, itemsize)
             local = replace(cfg, num_heads=len(self.heads.q), num_kv_heads=len(self.heads.kv),
-                            intermediate_size=self.ffn_width * len(self.ffn_real), num_layers=len(shard.layers))
+                            intermediate_size=self.ffn_width * len(self.ffn_real))
         else:
             self.heads = None
-            local = replace(cfg, num_layers=len(shard.layers))
+            local = cfg
         super().__init__(local, checkpoint.path, checkpoint._files)
 
     def fingerprint(self) -> str:
@@ -128,8 +128,8 @@ class MemberCheckpoint(Checkpoint):
         parts = name.split(".")
         if parts[0] != "layers":
             return self.base.get(name)
-        layer, kind = self.shard.layers[int(parts[1])], parts[2]
-        full = self.base.get(f"layers.{layer}.{kind}")
+        full = self.base.get(name)
+        kind = parts[2]
         if self.heads is None:
             return full
         hd = self.base.config.head_dim

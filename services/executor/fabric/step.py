@@ -3,7 +3,8 @@
 A step names KV by block id, the instance's own numbering: each member maps ids to pages of its arena.
 It carries the pages to zero and copy first, the packed batch (ForwardBatch), and for every replicated
 layer range the sub-batch and batch rows of each replica. KEEPALIVE steps say "still here" while the
-leader is idle, so that a member's wait can time out only when the leader is really gone.
+leader is idle, so that a member's wait can time out only when the leader is really gone. A RESHAPE step
+carries the instance's next plan (reshape.py says what follows it).
 """
 
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import torch
 
 from services.executor.engine.model.decoder import DecodeGroup, ForwardBatch, PrefillChunk
 
-RUN, KEEPALIVE = 1, 2
+RUN, KEEPALIVE, RESHAPE = 1, 2, 3
 
 
 @dataclass
@@ -33,22 +34,23 @@ class StepPlan:
     copies: torch.Tensor = field(default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
     batch: ForwardBatch | None = None
     parts: list[ReplicaPart] = field(default_factory=list)
+    payload: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # RESHAPE: the plan
 
 
 def encode(step: StepPlan) -> torch.Tensor:
     tensors = [torch.tensor([step.kind, step.kv_free, step.kv_used, len(step.parts)]), step.fresh,
-               step.copies.reshape(-1, 2)]
+               step.copies.reshape(-1, 2), step.payload]
     if step.batch is not None:
         tensors += _batch_tensors(step.batch)
         for part in step.parts:
             tensors += [torch.tensor([part.segment, part.member]), part.rows, *_batch_tensors(part.batch)]
-    return _pack(tensors)
+    return pack(tensors)
 
 
 def decode(flat: torch.Tensor) -> StepPlan:
-    it = iter(_unpack(flat))
+    it = iter(unpack(flat))
     kind, kv_free, kv_used, num_parts = next(it).tolist()
-    step = StepPlan(kind, kv_free, kv_used, next(it), next(it))
+    step = StepPlan(kind, kv_free, kv_used, next(it), next(it), payload=next(it))
     if kind == RUN:
         step.batch = _read_batch(it)
         for _ in range(num_parts):
@@ -79,7 +81,7 @@ def _read_batch(it: Iterator[torch.Tensor]) -> ForwardBatch:
     return ForwardBatch(input_ids, positions, slot_mapping, decodes, prefills, logits_rows)
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[count, (ndim, d0, d1) per tensor, data...]: tensors of one or two dimensions, as int64."""
     header = [len(tensors)]
     for t in tensors:
@@ -88,7 +90,7 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
                       *(t.reshape(-1).to(device="cpu", dtype=torch.int64) for t in tensors)])
 
 
-def _unpack(flat: torch.Tensor) -> list[torch.Tensor]:
+def unpack(flat: torch.Tensor) -> list[torch.Tensor]:
     count = int(flat[0])
     dims = flat[1:1 + 3 * count].view(count, 3).tolist()
     out, offset = [], 1 + 3 * count

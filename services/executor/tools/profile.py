@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -271,7 +272,14 @@ def swap_order_for(engine: LLMEngine, corpus: Path = DEFAULT_CORPUS, cache_dir: 
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--speedup" in argv:  # another profile, with flags of its own
+        from services.executor.tools import profile_speedup
+
+        return profile_speedup.main([a for a in argv if a != "--speedup"])
     ap = argparse.ArgumentParser(prog="morphling profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--speedup", action="store_true",
+                    help="instead, fit the speed-up model's coefficients (morphling profile --speedup --help)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--max-tokens", type=int, default=1024, help="calibration tokens (cut into windows)")

@@ -7,12 +7,15 @@ can live in any page that is not in a slot, in any order, and no pointer arithme
 
 Each decoder layer owns a contiguous run of pages (its slot) sized for its full-precision weights; the
 weight tensors are views into the slot and never move. Embeddings, the final norm and the LM head live
-outside the arena.
+outside the arena. A member of an instance that spans executors holds only some layers (`held`): the slots
+of the others stay KV pages, at the same place, so that a layer it takes later (a replica, a migration)
+gets its slot back the way a restore does.
 """
 
 import ctypes
 import math
 import mmap
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -76,18 +79,21 @@ def _mib(n: int) -> str:
 
 class Arena:
     def __init__(self, geometry: ArenaGeometry, budget_bytes: int, layer_bytes: int, min_kv_tokens: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", held: Collection[int] | None = None):
+        """`held`: the layers that get a slot now (all by default)."""
         self.geometry = geometry
         page_bytes = geometry.page_bytes
         num_pages = budget_bytes // page_bytes
         self.slot_pages = geometry.pages_for_bytes(layer_bytes)
-        weight_pages = self.slot_pages * geometry.num_layers
+        held = range(geometry.num_layers) if held is None else sorted(held)
+        weight_pages = self.slot_pages * len(held)
         min_kv_pages = geometry.pages_for_tokens(min_kv_tokens)
-        if num_pages < weight_pages + min_kv_pages:
-            need = (weight_pages + min_kv_pages) * page_bytes
+        # Every slot must fit where it sits, held now or not, since any layer may come later.
+        if num_pages < max(weight_pages + min_kv_pages, self.slot_pages * geometry.num_layers):
+            need = max(weight_pages + min_kv_pages, self.slot_pages * geometry.num_layers) * page_bytes
             raise MemoryBudgetError(
                 f"memory budget {_mib(budget_bytes)} holds {num_pages} pages of {_mib(page_bytes)}, but the "
-                f"{geometry.num_layers} decoder layers need {weight_pages} pages ({_mib(weight_pages * page_bytes)})"
+                f"{len(held)} decoder layers need {weight_pages} pages ({_mib(weight_pages * page_bytes)})"
                 f" and one sequence of {min_kv_tokens} tokens needs {min_kv_pages} more: "
                 f"raise the budget to at least {_mib(need)} or lower max_model_len")
         self.num_pages = num_pages
@@ -98,7 +104,7 @@ class Arena:
         self.kv_cache = self.buffer.view(geometry.dtype).view(
             num_pages, geometry.num_kv_heads, geometry.num_layers, 2, geometry.block_size, geometry.head_dim)
         self.ledger = PageLedger(num_pages)
-        for layer in range(geometry.num_layers):
+        for layer in held:
             self.ledger.assign_slot(layer, self.slot_range(layer))
 
     @property

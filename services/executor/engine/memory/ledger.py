@@ -7,6 +7,10 @@ the same numbers without a model.
 Free pages are handed out highest id first. Layer slots sit at the low end of the arena, so pages that
 quantization later frees from slot tails ("extension" pages) are the last to be used and the cheapest
 to take back.
+
+An instance that spans several executors numbers its KV blocks with a ledger of its own, whose pages are
+block ids: a block exists only while every member has a page for it, so the ids above what the members
+can hold now are withdrawn (absent) and come back when they can again (services/executor/fabric/reshape.py).
 """
 
 import heapq
@@ -45,6 +49,7 @@ class PageLedger:
         self._free = set(range(num_pages))
         self._was_slot = [False] * num_pages  # has this page ever been part of a slot
         self._slot_pages = 0
+        self._absent: set[int] = set()  # withdrawn: neither KV nor slot until reinstated
 
     # --- weight slots -------------------------------------------------------------------------
     def assign_slot(self, layer: int, pages: range) -> None:
@@ -75,6 +80,32 @@ class PageLedger:
 
     def slot_of(self, page: int) -> int | None:
         return self._slot_of[page]
+
+    # --- absent pages -------------------------------------------------------------------------
+    def withdraw(self, pages: range) -> None:
+        """Take free KV pages out of use altogether (an instance's block ids no member can back now)."""
+        for p in pages:
+            self._check_page(p)
+            if p not in self._free:
+                raise LedgerError(f"page {p} cannot be withdrawn: it is not a free KV page")
+        for p in pages:
+            self._free.discard(p)
+            self._absent.add(p)
+
+    def reinstate(self, pages: range) -> None:
+        """Bring withdrawn pages back as free KV pages."""
+        for p in pages:
+            self._check_page(p)
+            if p not in self._absent:
+                raise LedgerError(f"page {p} cannot be reinstated: it was not withdrawn")
+        for p in pages:
+            self._absent.discard(p)
+            self._free.add(p)
+            heapq.heappush(self._free_heap, -p)
+
+    @property
+    def num_present(self) -> int:
+        return self.num_pages - len(self._absent)
 
     # --- KV pages -----------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -134,10 +165,10 @@ class PageLedger:
 
     def snapshot(self) -> LedgerSnapshot:
         free = len(self._free)
-        kv_pages = self.num_pages - self._slot_pages
+        kv_pages = self.num_present - self._slot_pages
         extension = sum(1 for p in range(self.num_pages) if self._was_slot[p] and self._slot_of[p] is None)
         return LedgerSnapshot(
-            pages_total=self.num_pages,
+            pages_total=self.num_present,
             pages_slot=self._slot_pages,
             pages_kv_free=free,
             pages_kv_used=kv_pages - free,
@@ -151,6 +182,10 @@ class PageLedger:
             in_slot = self._slot_of[p] is not None
             free = p in self._free
             rc = self._refcount[p]
+            if p in self._absent:
+                if in_slot or free or rc:
+                    raise LedgerError(f"page {p} is withdrawn and also in a slot, free or referenced")
+                continue
             if in_slot and (free or rc):
                 raise LedgerError(f"page {p} is in a slot and also free or referenced (refcount {rc})")
             if not in_slot and free == (rc > 0):

@@ -8,7 +8,7 @@ context length), then prefill chunks
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -150,8 +150,9 @@ class ForwardBatch:
 class DecoderModel:
     def __init__(self, cfg: ModelConfig, arena: Arena, checkpoint: Checkpoint, dtype: torch.dtype,
                  device: torch.device | str, max_positions: int, progress: bool = True,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """`reduce` sums a tensor-parallel shard's partial o_proj and down_proj outputs over the instance."""
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, held: Collection[int] | None = None):
+        """`reduce` sums a tensor-parallel shard's partial o_proj and down_proj outputs over the instance;
+        `held`: the decoder layers loaded (all by default; a member of an instance holds some)."""
         self.cfg = cfg
         self.reduce = reduce or _unchanged
         self.arena = arena
@@ -161,8 +162,9 @@ class DecoderModel:
         self.full_bits = torch.finfo(dtype).bits
         self.layer_bits = [self.full_bits] * cfg.num_layers  # what each layer's slot holds now
         self.layer_ready: list = [None] * cfg.num_layers  # CUDA event of a swap still copying into the slot
-        self.layers = []
-        for i in tqdm(range(cfg.num_layers), desc="loading layers", unit="layer", disable=not progress):
+        self.layers: list[dict[str, torch.Tensor] | None] = [None] * cfg.num_layers
+        held = range(cfg.num_layers) if held is None else sorted(held)
+        for i in tqdm(held, desc="loading layers", unit="layer", disable=not progress):
             views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
             get = lambda name: checkpoint.get(f"layers.{i}.{name}")  # noqa: E731
             views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
@@ -173,7 +175,7 @@ class DecoderModel:
             views["post_attn_norm"].copy_(get("post_attn_norm"))
             if cfg.attention_bias:
                 views["qkv_bias"].copy_(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
-            self.layers.append(views)
+            self.layers[i] = views
         self.embed_tokens = checkpoint.get("embed_tokens").to(device=device, dtype=dtype)
         self.norm = checkpoint.get("norm").to(device=device, dtype=dtype)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings

@@ -240,8 +240,9 @@ class VariantStore:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{self.key[:32]}-", dir=self.dir.parent))
         try:
-            for layer in tqdm(range(len(model.layers)), desc="building layer variants", unit="layer",
-                              disable=not progress):
+            # A member of an instance holds some layers (the others are None): it builds variants of those.
+            held = [i for i, w in enumerate(model.layers) if w is not None]
+            for layer in tqdm(held, desc="building layer variants", unit="layer", disable=not progress):
                 fp = {name: view.clone() for name, view in model.layers[layer].items()}
                 # AWQ pays off at 4 bits only: at 8 it made gate_up_proj worse (docs/benchmarks.md)
                 entries = {self.full_bits: fp} | {b: quantize_layer(fp, b, scales[layer] if b == 4 else None)

@@ -1,0 +1,46 @@
+"""CoCoServe's SLO-violation rate: per executor, the requests finished over the last window against the SLOs.
+
+Executors report each finished request's TTFT and TPOT once (ExecutorTelemetry.requests); the window holds
+them by when they arrived here, on the monitor's clock passed in as `now` (as in aggregate.py), so clock
+skew between hosts cannot move a request in or out of it. A request violates the SLOs when its TTFT is over
+slo_ttft_s or its TPOT over slo_tpot_s.
+
+The window's percentiles are nearest-rank (the smallest sample with at least p% of the samples at or below
+it): always one of the samples, never an interpolation between two. A one-token completion has no TPOT
+(it reports 0), so it counts toward the TTFT percentiles and the violation rate, not the TPOT percentiles.
+"""
+
+from collections import deque
+from collections.abc import Iterable
+
+from shared.messages import RequestLatency, SloWindow
+
+
+def nearest_rank(ordered: list[float], percent: int) -> float:
+    """The nearest-rank `percent` percentile of the ascending `ordered`; 0.0 when it is empty."""
+    if not ordered:
+        return 0.0
+    rank = max(1, -(-percent * len(ordered) // 100))  # in integers: 0.95 * 20 is not exactly 19 in floats
+    return ordered[rank - 1]
+
+
+class SloTracker:
+    def __init__(self, ttft_s: float, tpot_s: float, window_s: float):
+        self.ttft_s, self.tpot_s, self.window_s = ttft_s, tpot_s, window_s
+        self._samples: deque[tuple[float, RequestLatency]] = deque()  # (arrival, sample), oldest first
+
+    def add(self, samples: Iterable[RequestLatency], now: float) -> None:
+        self._samples.extend((now, s) for s in samples)
+
+    def window(self, now: float) -> SloWindow:
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        inside = [s for arrival, s in self._samples if arrival <= now]
+        if not inside:
+            return SloWindow()
+        violations = sum(1 for s in inside if s.ttft_s > self.ttft_s or s.tpot_s > self.tpot_s)
+        ttft = sorted(s.ttft_s for s in inside)
+        tpot = sorted(s.tpot_s for s in inside if s.tpot_s > 0)
+        return SloWindow(requests=len(inside), violation_rate=violations / len(inside),
+                         ttft_p50_s=nearest_rank(ttft, 50), ttft_p95_s=nearest_rank(ttft, 95),
+                         tpot_p50_s=nearest_rank(tpot, 50), tpot_p95_s=nearest_rank(tpot, 95))

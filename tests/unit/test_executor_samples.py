@@ -1,0 +1,178 @@
+"""What an executor reports for the monitor's SLO windows and the controller's CoCoServe policies: each
+finished request's latencies exactly once, the batch cap, the KV pages its running sequences still take,
+and how busy its engine thread (or a follower's part of the steps) is.
+
+The service runs on a tiny engine behind the stand-in bus of test_bounded_queues, which here keeps the
+telemetry it is sent. The engine prefills in chunks of one block, so that requests are also seen with their
+prompt half computed.
+"""
+
+import asyncio
+import time
+
+import pytest
+
+from services.executor.follower import FollowerService
+from services.executor.latency import BusyWindow, FinishedSamples
+from services.executor.service import ExecutorService
+from services.executor.worker import pages_growth
+from shared import subjects
+from shared.config import ExecutorConfig
+from shared.messages import Cancel, ExecutorTelemetry, RequestLatency
+from shared.sampling import SamplingOptions
+from tests.checkpoints import tiny_llama3_engine
+from tests.unit.test_admission_guards import hold_engine
+from tests.unit.test_bounded_queues import EXEC, StubBus, finished, request, until
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_llama3_engine(tmp_path_factory.mktemp("tiny") / "model", max_num_seqs=4, max_num_batched_tokens=8)
+
+
+class ReportingBus(StubBus):
+    """The stand-in bus, keeping the telemetry reports."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports: list[ExecutorTelemetry] = []
+
+    async def publish(self, subject: str, message) -> None:
+        if subject == subjects.telemetry(EXEC):
+            self.reports.append(message)
+            return
+        await self.take(subject, message)
+
+    def samples(self) -> list[RequestLatency]:
+        return [s for report in self.reports for s in report.requests]
+
+
+async def serve(engine) -> tuple[ExecutorService, ReportingBus]:
+    service = ExecutorService(ExecutorConfig(executor_id=EXEC, engine=engine.config), engine=engine)
+    bus = ReportingBus()
+    await service.start(bus)
+    return service, bus
+
+
+def test_a_finished_requests_latency_is_reported_once_and_one_without_tokens_never(tiny):
+    async def scenario():
+        service, bus = await serve(tiny)
+        sent = time.time()
+        await bus.deliver(subjects.infer(EXEC), request("done", 8))
+        await until(lambda: finished(bus, "done"), "the request finishing")
+        took = time.time() - sent
+        await until(bus.samples, "its latency reported")
+
+        held = hold_engine(service)
+        await bus.deliver(subjects.infer(EXEC), request("cut", 50))
+        await bus.deliver(subjects.cancel(EXEC), Cancel(request_id="cut"))
+        held.set()
+        await until(lambda: finished(bus, "cut"), "the cancelled request ending")
+        reports = len(bus.reports)
+        await until(lambda: len(bus.reports) >= reports + 3, "three more reports")
+
+        [sample] = bus.samples()  # once, however many reports went out since; nothing for "cut"
+        assert 0 < sample.ttft_s <= took
+        assert 0 < sample.tpot_s < took / 7  # 8 tokens: 7 gaps after the first
+        assert service.telemetry().requests == []
+        await service.stop(drain_timeout_s=5)
+
+    asyncio.run(scenario())
+
+
+def test_reports_carry_the_batch_cap_the_pages_still_to_come_and_how_busy_the_engine_is(tiny):
+    async def scenario():
+        service, bus = await serve(tiny)
+        await bus.deliver(subjects.infer(EXEC), request("long", 200))
+        await until(lambda: any(r.running and r.pages_growth > 0 and r.busy > 0 for r in bus.reports),
+                    "a report of the request running")
+        await until(lambda: finished(bus, "long"), "the request finishing")
+        await until(lambda: bus.reports[-1].running == 0, "a report after it")
+        assert bus.reports[-1].pages_growth == 0
+        await until(lambda: bus.reports[-1].busy == 0.0, "an idle second reading as not busy")
+        assert {r.max_num_seqs for r in bus.reports} == {tiny.config.max_num_seqs}
+        assert all(0.0 <= r.busy <= 1.0 for r in bus.reports)
+        await service.stop(drain_timeout_s=5)
+
+    asyncio.run(scenario())
+
+
+def test_the_finished_samples_are_bounded_keeping_the_newest():
+    finished_samples = FinishedSamples(limit=3)
+    for i in range(5):
+        finished_samples.add(float(i), 0.0)
+    assert [s.ttft_s for s in finished_samples.drain()] == [2.0, 3.0, 4.0]
+    assert finished_samples.drain() == []
+
+
+def test_busy_is_the_share_of_the_last_window_inside_spans_a_running_one_included():
+    busy = BusyWindow(window_s=1.0)
+    busy.begin(now=10.0)
+    busy.end(now=10.3)
+    busy.begin(now=10.5)
+    busy.end(now=10.6)
+    assert busy.share(now=11.0) == pytest.approx(0.4)
+    assert busy.share(now=11.4) == pytest.approx(0.1)  # the first span has left the window
+    busy.begin(now=11.5)  # a long step, still going
+    assert busy.share(now=12.0) == pytest.approx(0.5)
+    assert busy.share(now=14.0) == 1.0
+    busy.end(now=14.0)
+    assert busy.share(now=15.5) == 0.0
+
+
+def test_a_follower_is_busy_inside_its_part_of_a_step_not_while_waiting_for_the_next():
+    class Member:  # the fabric's member: waits for the leader's step, then runs its part through execute
+        def execute(self, step):
+            time.sleep(0.2)
+            return step
+
+        def follow_one(self):
+            time.sleep(0.5)
+            self.execute("run")
+
+    member = Member()
+    follower = FollowerService(ExecutorConfig(), member, max_model_len=256)
+    member.follow_one()
+    assert 0.2 <= follower.busy.share() < 0.6
+    assert member.execute("again") == "again"  # what the member's part returns still reaches the member
+
+
+# --- the pages still to come --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len, n, max_tokens", [
+    (13, 3, 20),  # forks into three sharing a partly filled block: two copy it
+    (16, 2, 9),  # the prompt fills whole blocks: nothing to copy
+    (13, 3, 1),  # one token each: nothing written after the prompt
+    (5, 1, 30),
+    (13, 1, None),  # until the context is full
+])
+def test_pages_growth_is_what_the_running_sequences_take_before_they_end(tiny, monkeypatch, prompt_len, n,
+                                                                        max_tokens):
+    engine = tiny
+    scheduler = engine.scheduler
+    held: list[int] = []  # pages the sequences hold in each step, once it is scheduled
+
+    def holding() -> set[int]:
+        return {page for seq in scheduler.running for page in seq.block_table}
+
+    schedule = scheduler.schedule
+
+    def watched():
+        out = schedule()
+        held.append(len(holding()))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", watched)
+    seed = 7 if n > 1 else None
+    engine.add_request("r", list(range(5, 5 + prompt_len)),
+                       SamplingOptions(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=seed))
+    preemptions = scheduler.num_preemptions
+    predicted: list[tuple[int, int]] = []  # (steps taken, pages held + growth) before each step
+    while engine.has_unfinished():
+        if scheduler.running:
+            predicted.append((len(held), len(holding()) + pages_growth(scheduler.running, scheduler.blocks,
+                                                                       engine.max_model_len)))
+        engine.step()
+    assert scheduler.num_preemptions == preemptions and predicted
+    # All of a request's sequences end together, so what they hold at the end is the most they ever hold.
+    assert [total for _, total in predicted] == [max(held[taken:]) for taken, _ in predicted]

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-engine": ("services.executor.tools.bench_engine",
                      "offline generation throughput: our engine vs transformers.generate"),
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
+    "bench-cocoserve": ("services.bench.cocoserve",
+                        "one instance without operations vs CoCoServe scaling over a request-rate sweep"),
     "bench-reshape": ("services.executor.tools.bench_reshape",
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
     "profile": ("services.executor.tools.profile",

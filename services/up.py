@@ -79,6 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--cocoserve", default="off", choices=("off", "scale-down", "default"),
                     help="CoCoServe on instances of several executors (--plan, --tp): replicate layers onto idle "
                          "members, migrate, evict and cut the batch under SLO violations (default %(default)s)")
+    ap.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one CoCoServe setting of the controller, e.g. t_down=0.2 (repeatable)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
                     help="bits of every decoder layer, fixed: 8 or 4 are the static baselines (with --mode off), "
                          "16 is full precision as loaded (default %(default)s)")
@@ -272,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             nats_url = cluster.start_nats()
             progress(f"nats-server listening at {nats_url}")
         cluster.start_service("monitor", monitor_args(args, nats_url))
-        cluster.start_service("controller",
-                              ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve])
+        cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve,
+                                             *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set)])
         dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
         if dist_url:
             shape = f"--plan {args.plan}" if args.plan else f"TP{args.tp or 1} instances"

@@ -194,13 +194,13 @@ def test_scale_down_migrates_then_evicts_then_cuts_the_batch_one_step_per_enter(
     assert steps[:4] == [
         # phase 1: the leader's last run of solo layers goes to exec2, the member with the most spare pages
         MigrateArgs(instance="i0", layers=[4, 7], source="exec0", to="exec2"),
-        # no member has room left: phase 2 evicts exec1's replicas
+        # the leader keeps half the model: phase 2 evicts exec1's replicas, the removal the model minds least
         EvictArgs(instance="i0", layers=[0, 3], source="exec1"),
-        # which gave exec1 room again: phase 1 can act again, so it does
-        MigrateArgs(instance="i0", layers=[0, 3], source="exec0", to="exec1"),
+        # nothing left to migrate or evict: phase 3
         BatchArgs(instance="i0", max_num_seqs=11),
+        BatchArgs(instance="i0", max_num_seqs=6),
     ]
-    assert steps[4:] == [BatchArgs(instance="i0", max_num_seqs=n) for n in (6, 1)]  # not below 1
+    assert steps[4:] == [BatchArgs(instance="i0", max_num_seqs=1)]  # not below 1
     # The KV the leader backs grew from 120 blocks to every page outside a slot of a member holding 4 layers.
     assert d.instance.blocks() == 160
 
@@ -433,10 +433,19 @@ def test_with_free_transfers_every_candidate_is_taken_in_continuity_order(strate
     assert result.added.get(dst, []) == sort_candidates_by_continuity(strategy, dst, max_replicas)
 
 
-def can_migrate(instance: FakeInstance) -> bool:
-    leader = instance.plan.leader
-    solo = any(layer.placement == [leader] for layer in instance.plan.layers)
-    return solo and any(instance.spare(m) >= R for m in instance.plan.members if m != leader)
+def can_migrate(instance: FakeInstance, step: int) -> bool:
+    """The leader holds layers beyond the first half of the model, and the last `step` of them can go to a
+    member that replicates them all, or to one with room for a layer."""
+    plan, leader = instance.plan, instance.plan.leader
+    beyond = [i for i, layer in enumerate(plan.layers) if leader in layer.placement][(len(plan.layers) + 1) // 2:]
+    if not beyond:
+        return False
+    tail = [beyond[-1]]
+    while len(tail) < step and tail[0] - 1 in beyond:
+        tail.insert(0, tail[0] - 1)
+    others = [m for m in plan.members if m != leader]
+    return (any(all(m in plan.layers[i].placement for i in tail) for m in others)
+            or any(instance.spare(m) >= R for m in others))
 
 
 def can_evict(instance: FakeInstance) -> bool:
@@ -455,7 +464,7 @@ def test_algorithm_2_never_takes_a_later_phase_while_an_earlier_one_can_act(laye
     d = Driver(fake, s)
     original = cap
     for rate in load:
-        migrate_ok, evict_ok = can_migrate(fake), can_evict(fake)
+        migrate_ok, evict_ok = can_migrate(fake, step), can_evict(fake)
         for c in d.window(rate):
             kind = c.args.kind
             if rate == VIOLATING:

@@ -33,10 +33,12 @@ become one `replicate` per contiguous range and destination, sent to the leader.
 Algorithm 2 (scale-down), one step per hysteresis "enter" (a command's effect shows only in later states, so
 IsViolating is the violation rate of the windows after the step), each phase only when the one before it
 cannot act any more:
-1. migrate (TP1): FilterModules = the layers only the leader computes; FindOptimalDestination = the other
-   member with the most spare pages (then the least busy) that has room for a layer; the leader's last run
-   of such layers moves from its end, up to `step` layers and the destination's room, so that later steps
-   extend the same tail on the destination instead of adding hops;
+1. migrate (TP1): FilterModules = whole layers of the leader's (§3.3), those beyond the first half of the
+   model it keeps, so migration balances the members rather than moving the bottleneck;
+   FindOptimalDestination = a member that replicates all of them (its replicas then take the rows: nothing
+   is copied), else the other member with the most spare pages (then the least busy) that has room for a
+   layer; the leader's last run of such layers moves from its end, up to `step` layers and the
+   destination's room, so that later steps extend the same tail on the destination instead of adding hops;
 2. evict (TP1): SortEvicteesBy = the replicas (every copy of a layer but its first) whose removal lowers
    the predicted speed-up least, taken `step` layers from the end of a member's run of replicas (the
    reverse of scale-up, which fills runs from their start; a cut in the middle would split a run);
@@ -64,11 +66,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
 from services.controller.policies.interface import PlannedCommand, Policy
-from shared.speedup import (DEFAULT_PROFILE, EQUATIONS, SpeedupProfile, Strategy, gamma,
-                                                  predict)
 from shared.config import ControllerConfig
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs,
                              ReplicateArgs)
+from shared.speedup import DEFAULT_PROFILE, EQUATIONS, SpeedupProfile, Strategy, gamma, predict
 
 MODES = ("off", "scale-down", "default")
 
@@ -274,8 +275,12 @@ def eligible_nodes(view: InstanceView, settings: CocoSettings) -> list[tuple[str
 
 # --- Algorithm 2: scale-down ---------------------------------------------------------------------------
 def migratable(plan: InstancePlan) -> list[int]:
-    """FilterModules: the layers only the leader computes (a replicated one is phase 2's)."""
-    return [i for i, layer in enumerate(plan.layers) if layer.placement == [plan.leader]]
+    """FilterModules: whole layers (§3.3: they move with the least traffic) of the leader's, not the whole
+    model: those beyond the first half of the model it keeps, so that migration balances the members
+    instead of moving the bottleneck. A layer another member replicates moves there without a copy."""
+    mine = [i for i, layer in enumerate(plan.layers) if plan.leader in layer.placement]
+    keep = (len(plan.layers) + 1) // 2
+    return mine[keep:]
 
 
 def find_destination(view: InstanceView) -> str | None:
@@ -291,12 +296,19 @@ def find_destination(view: InstanceView) -> str | None:
 
 def next_migration(view: InstanceView, settings: CocoSettings) -> MigrateArgs | None:
     runs = consecutive_runs(migratable(view.plan))
-    dst = find_destination(view)
-    if not runs or dst is None:
+    if not runs:
         return None
-    room = view.members[dst].telemetry.spare_pages // view.layer_pages
-    tail = runs[-1][-min(settings.step, room, len(runs[-1])):]
-    return MigrateArgs(instance=view.plan.id, layers=[tail[0], tail[-1]], source=view.plan.leader, to=dst)
+    tail = runs[-1][-settings.step:]
+    leader, layers = view.plan.leader, view.plan.layers
+    holders = sorted((m for m in view.members if m != leader and all(m in layers[i].placement for i in tail)),
+                     key=lambda m: (-view.members[m].telemetry.spare_pages, m))
+    if holders:  # its replicas take the rows: nothing to copy, no memory needed
+        return MigrateArgs(instance=view.plan.id, layers=[tail[0], tail[-1]], source=leader, to=holders[0])
+    dst = find_destination(view)
+    if dst is None:
+        return None
+    tail = tail[-view.members[dst].telemetry.spare_pages // view.layer_pages:]
+    return MigrateArgs(instance=view.plan.id, layers=[tail[0], tail[-1]], source=leader, to=dst)
 
 
 @dataclass(frozen=True)

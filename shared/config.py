@@ -203,8 +203,8 @@ class MonitorConfig:
     suspect_after_s: float = 1.0
     dead_after_s: float = 6.0
     # CoCoServe's SLO-violation rate (services/monitor/slo.py): the share of the requests finished over the
-    # last slo_window_s whose TTFT or TPOT is over its SLO. The SLOs suit the default model on a CPU
-    # executor: an idle one answers in ~0.1 s and generates ~25 ms/token (docs/benchmarks.md).
+    # last slo_window_s whose TTFT or TPOT is over its SLO. The SLOs suit the default model on this CPU: an
+    # executor alone takes ~70 ms a token, a two-executor instance at low load ~120 ms (docs/benchmarks.md).
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.15
     slo_window_s: float = 10.0

@@ -172,6 +172,24 @@ def reshaped(plan: InstancePlan, op: ReplicateArgs | MigrateArgs | EvictArgs) ->
     return plan.model_copy(update={"layers": layers})
 
 
+def with_bits(plan: InstancePlan, layers: int | list[int], bits: int) -> InstancePlan:
+    """The plan with `layers` at `bits` on every member that computes them (MorphServe's swap, taken by an
+    instance as a whole). A count takes layers front to back: quantizing, the first wider than `bits`;
+    restoring (FULL_BITS), the last quantized first. OperationRefused says why it cannot apply."""
+    current = [layer.bits for layer in plan.layers]
+    if isinstance(layers, int):
+        candidates = ([i for i in reversed(range(len(current))) if current[i] != FULL_BITS] if bits == FULL_BITS
+                      else [i for i in range(len(current)) if current[i] > bits])
+        if not 1 <= layers <= len(candidates):
+            raise OperationRefused(f"layers must be between 1 and {len(candidates)} here, got {layers}")
+        layers = candidates[:layers]
+    bad = [i for i in layers if not 0 <= i < len(current)]
+    if bad or len(set(layers)) != len(layers):
+        raise OperationRefused(f"layer indices must be distinct and in [0, {len(current)}): {layers}")
+    new = [layer.model_copy(update={"bits": bits}) if i in layers else layer for i, layer in enumerate(plan.layers)]
+    return plan.model_copy(update={"layers": new})
+
+
 def plan_of(plans: list[InstancePlan], executor: str) -> InstancePlan:
     return next(p for p in plans if executor in p.members)
 

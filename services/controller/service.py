@@ -1,10 +1,11 @@
 """The controller process: follows the cluster state and sends the policies' commands.
 
-Two policies, on disjoint executors: MorphServe's layer swapping (policies/morph.py, `--mode`) on
-standalone executors, and CoCoServe's scale-up and scale-down (policies/cocoserve.py, `--cocoserve`) on
-instances of several executors. Both off runs the process with no policy at all rather than not running
-it, so that deployments, `morphling up` and the audit trail keep one shape whether or not anything
-morphs: the static baselines (executors started with --static-bits) are measured with exactly that.
+One policy, the ladder (policies/ladder.py): MorphServe's layer swapping (policies/morph.py, `--mode`)
+on every instance's leader, then CoCoServe's scale-down, and its scale-up on idle capacity
+(policies/cocoserve.py, `--cocoserve`) on instances of several executors. Both off runs the process with
+no policy at all rather than not running it, so that deployments, `morphling up` and the audit trail keep
+one shape whether or not anything morphs: the static baselines (executors started with --static-bits) are
+measured with exactly that.
 
 The morph settings are not fixed here: a mode's preset is scaled to each executor's depth, read
 from its telemetry on every window, so one controller serves executors of different models, each in
@@ -23,11 +24,11 @@ import logging
 import sys
 
 from services.controller.loop import Controller
-from services.controller.policies import cocoserve
-from services.controller.policies.morph import MODES, make_policy, settings_for_mode
-from shared.speedup import SpeedupProfile
+from services.controller.policies import cocoserve, ladder
+from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig, read_swap_order
+from shared.speedup import SpeedupProfile
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,8 @@ async def _run_until_signalled(config: ControllerConfig, profile: SpeedupProfile
     if bus is None:
         log.info("controller: stopped before the bus connected")
         return
-    # make_policy() without settings reads mode and overrides from the config at each window.
-    policies = [] if config.morph_mode == "off" else [make_policy()]
-    if config.cocoserve_mode != "off":
-        policies.append(cocoserve.make_policy(profile))
+    # The ladder reads both rungs' modes and overrides from the config at each window.
+    policies = [] if config.morph_mode == config.cocoserve_mode == "off" else [ladder.make_policy(profile)]
     controller = Controller(config, policies=policies)
     await controller.start(bus)
     log.info("controller %s: following the cluster state on %s (morph mode %s%s; CoCoServe mode %s%s; speed-up "

@@ -102,7 +102,8 @@ class FollowerService:
                 result.state = {"in_flight": 0}
             else:
                 raise InvalidCommandError(f"{self.id} is a member of instance {self.member.plan.id}, which morphs "
-                                          f"as a whole, not one member at a time", "kind")
+                                          f"as a whole, not one member at a time: send it to its leader "
+                                          f"{self.member.leader}", "kind")
         except InvalidCommandError as exc:
             result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         if incoming.can_reply:

@@ -211,10 +211,11 @@ class ExecutorService:
             elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
                 self._check_instance(args.instance)
                 result.state = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
-            elif self.engine.member is not None:
-                raise InvalidCommandError(f"{self.id} leads instance {self.plan.id} with {len(self.plan.members) - 1} "
-                                          f"other executors, which morphs as a whole, not one member at a time",
-                                          "kind")
+            elif self.engine.member is not None:  # quantize or restore, taken by the instance as a whole
+                before = [layer.bits for layer in self.plan.layers]
+                report = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
+                result.state = {"changed": [i for i, (a, b) in enumerate(zip(report["layers"], before)) if a != b],
+                                **report}
             else:
                 report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, args)))
                 result.state = {"layers": list(self.engine.model.layer_bits), **report}
@@ -232,7 +233,8 @@ class ExecutorService:
             raise InvalidCommandError(f"{self.id} leads instance {self.instance_id!r}, not {instance!r}",
                                       "args.instance")
 
-    def _reshape(self, args: ReplicateArgs | MigrateArgs | EvictArgs | BatchArgs) -> dict:
+    def _reshape(self, args: ReplicateArgs | MigrateArgs | EvictArgs | QuantizeArgs | RestoreArgs | BatchArgs
+                 ) -> dict:
         """In the engine thread, between two steps."""
         if isinstance(args, BatchArgs):
             before = self.engine.set_max_num_seqs(args.max_num_seqs)

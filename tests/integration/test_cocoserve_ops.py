@@ -127,3 +127,24 @@ def test_the_batch_cap_moves_and_comes_back(up):
     assert r.status_code == 409 and "between 1 and 64" in r.json()["error"]["message"]  # the configured batch
     r = morph(up, action="batch", instance="i0", max_num_seqs=64)
     assert r.status_code == 200, r.text
+
+
+def test_the_instance_quantizes_and_restores_as_a_whole(up):
+    client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    expected = greedy(client)
+    r = morph(up, executor="exec0", action="quantize", layers=2, bits=8)
+    assert r.status_code == 200, r.text
+    (instance,) = r.json()["instances"]
+    assert [layer["bits"] for layer in instance["layers"]][:2] == [8, 8]  # on every member that holds them
+    greedy(client)
+    r = morph(up, executor="exec0", action="restore", layers=2)
+    assert r.status_code == 200, r.text
+    assert all(layer["bits"] == 16 for layer in instance_layers(up))
+    assert greedy(client) == expected
+    r = morph(up, executor="exec1", action="quantize", layers=2, bits=8)
+    assert r.status_code == 409 and "as a whole" in r.json()["error"]["message"]  # a follower sends it on
+
+
+def instance_layers(up) -> list[dict]:
+    (instance,) = httpx.get(f"{up.url}/v1/cluster", timeout=10).json()["instances"]
+    return instance["layers"]

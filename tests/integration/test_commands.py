@@ -93,7 +93,14 @@ def test_command_sender_against_a_real_executor(nats_server, tmp_path):
             assert 0 < audit.data["latency_s"] < 1.0
 
             # Bad commands are answered, refused, with the culprit named; they change nothing.
-            for seq, kind, args, culprit in ((1, "replicate", {"layer": 0}, "unknown command kind 'replicate'"),
+            for seq, kind, args, culprit in ((1, "teleport", {"layer": 0}, "unknown command kind 'teleport'"),
+                                             (6, "replicate", {"layers": [0, 1], "to": "x"}, "args.instance"),
+                                             (7, "evict", {"instance": "i-exec-cmd", "layers": [2, 1],
+                                                           "from": "x"}, "layers must be [a, b]"),
+                                             (8, "replicate", {"instance": "i-exec-cmd", "layers": [0, 0],
+                                                               "to": "x"}, "serves alone"),
+                                             (9, "batch", {"instance": "i0", "max_num_seqs": 2},
+                                              "leads instance 'i-exec-cmd', not 'i0'"),
                                              (2, "quantize", {"layers": 1, "bits": 5}, "args.bits"),
                                              (3, "quantize", {"layers": 1}, "args.bits"),
                                              (4, "restore", {"layers": True}, "args.layers"),

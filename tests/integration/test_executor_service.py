@@ -225,8 +225,8 @@ def test_commands_ping_drain_idempotence_and_unknown_kinds(nats_server, tiny):
             ping = await gw.command(1, "ping")
             assert ping.ok and ping.executor == EXEC and ping.state == {"running": 0, "waiting": 0,
                                                                         "draining": False}
-            other = await gw.command(2, "replicate")
-            assert not other.ok and "unknown command kind 'replicate'" in other.error
+            other = await gw.command(2, "teleport")
+            assert not other.ok and "unknown command kind 'teleport'" in other.error
             # Not even a Command (no kind): still answered, refused, as long as it says who asks.
             broken = await gw.raw_request(subjects.command(EXEC), {"v": SCHEMA_VERSION, "seq": 7, "issuer": "ctl-t"},
                                           CommandResult)

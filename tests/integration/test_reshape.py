@@ -1,6 +1,8 @@
 """CoCoServe's operations on a running instance (real processes in a gloo world, `fabric/offline.py`):
 replicate, migrate and evict layer ranges between steps while requests run, and greedy output stays what
-one executor alone generates, every request gets all its tokens, and every ledger adds up afterwards.
+one executor alone generates, every request gets all its tokens, and every ledger adds up afterwards; and
+MorphServe's quantize and restore, taken by the instance as a whole, generate what one executor does with
+the same layers swapped.
 
 The instance starts as the issue's: two executors, every layer on exec0, exec1 spare. Its KV is what the
 member with the fewest pages outside slots can back: it grows when layers leave exec0 and exec1 holds few,
@@ -17,7 +19,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.fabric.offline import Shape, instance_engine
 from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
-from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs
+from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 from shared.plans import reshaped
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama_8kv
@@ -162,3 +164,21 @@ def test_ledgers_stay_exact_across_random_interleavings_of_operations_and_reques
             assert engine.member.num_blocks == blocks_at_start
 
         interleaving()
+
+
+def test_an_instance_quantizes_and_restores_as_a_whole(setup):
+    config, plan, params, expected = setup
+    alone = LLMEngine(config, progress=False)
+    alone.swapper.set_bits([1, 2], 8)
+    expected_int8 = [c.outputs[0].token_ids for c in alone.generate(PROMPTS, params)]
+    with instance_engine(config, Shape(2, plan_file=plan), timeout_s=60) as engine:
+        engine.reshape(ReplicateArgs(instance="i0", layers=[0, 3], to="exec1"))  # both members hold 1 and 2
+        blocks = engine.member.num_blocks
+        report = engine.reshape(QuantizeArgs(layers=[1, 2], bits=8))
+        assert report["layers"] == [16, 8, 8, 16] and report["blocks_after"] > blocks  # both freed slot tails
+        assert [c.outputs[0].token_ids for c in engine.generate(PROMPTS, params)] == expected_int8
+        with pytest.raises(ReshapeRefused, match="between 1 and 2"):
+            engine.reshape(RestoreArgs(layers=3))
+        assert engine.reshape(RestoreArgs(layers=2))["blocks_after"] == blocks
+        assert [c.outputs[0].token_ids for c in engine.generate(PROMPTS, params)] == expected
+        engine.member.arena.ledger.check_consistency()

@@ -153,12 +153,26 @@ def test_a_restore_counts_the_pages_running_sequences_will_still_take():
     assert d.log[-1][1].inputs["pages_growth"] == 20 and d.log[-1][1].inputs["pages_taken_back"] == 10
 
 
-def test_only_standalone_executors_morph():
-    in_pair = FakeExecutor(plan=InstancePlan(id="i0", leader="e0", members=["e0", "e1"],
-                                             layers=alone("e0", 8).layers))
-    paired, single = Driver(executor=in_pair), Driver(executor=FakeExecutor(plan=alone("e0", 8)))
-    assert not any(paired.window(PRESSURE) for _ in range(20))
-    assert any(single.window(PRESSURE) for _ in range(20))
+def test_leaders_morph_their_instances_and_followers_leave_it_to_them():
+    pair = InstancePlan(id="i0", leader="e0", members=["e0", "e1"], layers=alone("e0", 8).layers)
+    follower = FakeExecutor(plan=pair.model_copy(update={"leader": "e1"}))
+    for ex in (FakeExecutor(plan=alone("e0", 8)), FakeExecutor(plan=pair)):
+        d = Driver(executor=ex)
+        assert any(d.window(PRESSURE) for _ in range(20))
+    d = Driver(executor=follower)
+    assert not any(d.window(PRESSURE) for _ in range(20))
+
+
+def test_a_held_restore_waits_for_the_costlier_rung_to_step_back_first():
+    d = Driver()
+    while not any(b <= 8 for b in d.ex.layers):
+        d.window(PRESSURE)
+    state = lambda: ClusterState(time=d.now, executors=[d.ex.state(0.1)])  # noqa: E731 calm
+    for _ in range(100):
+        d.now += d.dt
+        commands, d.memory = plan(state(), d.memory, d.settings, hold_restore={"e0"})
+        assert commands == []
+    assert any(d.window(0.1) for _ in range(100))  # released: the restore comes
 
 
 def test_freed_pages_are_learned_and_unknown_widths_bounded_from_above():

@@ -1,12 +1,10 @@
 """CoCoServe's scale-up (Algorithm 1) and scale-down (Algorithm 2) on instances of several executors (§4).
 
-Where it sits on the controller's ladder (DESIGN.md): quantizing (policies/morph.py) is the cheapest rung,
-and it applies to standalone executors (no plan, or an instance of one member); an instance of several
-members refuses to quantize, so for it the ladder is this module's, cheapest first under pressure:
-migrate layers off the leader (phase 1), evict replicas (phase 2), cut the batch cap (phase 3); and the
-reverse order when pressure ends: the batch cap back up, replicas back (scale-up), migrated layers back.
-Replicating on idle capacity (scale-up) is the last rung. The two modules act on disjoint executors, so the
-controller runs them side by side as two policies.
+Where it sits on the controller's ladder (DESIGN.md; ladder.py orders the rungs): quantizing
+(policies/morph.py) is the cheapest rung; then, cheapest first under pressure, this module's: migrate
+layers off the leader (phase 1), evict replicas (phase 2), cut the batch cap (phase 3); and the reverse
+order when pressure ends: the batch cap back up, replicas back (scale-up), migrated layers back, then the
+restores. Replicating on idle capacity (scale-up) is the last rung.
 
 Signals, all from the leader's and the members' telemetry in the cluster state:
 - pressure: the leader's SLO violation rate (ExecutorState.slo, the monitor's window) above `t_down`, over
@@ -61,7 +59,7 @@ Modes: off (nothing), scale-down (Algorithm 2 and its reverse, never a new repli
 robustness alone), default (both algorithms).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
@@ -512,7 +510,7 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
 
 
 def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSettings, profile: SpeedupProfile,
-                   now: float) -> tuple[list[PlannedCommand], InstanceMemory]:
+                   now: float, hold_down: bool = False) -> tuple[list[PlannedCommand], InstanceMemory]:
     settling = memory.last_command is not None and now - memory.last_command < settings.settle_s
     if not view.whole or settling:
         return [], replace(memory, pressure=_quiet(memory.pressure), idle=_quiet(memory.idle))
@@ -523,7 +521,7 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
     def speedup_of(strategy: Strategy) -> float:
         return predict(strategy, profile, tokens, settings.equation)
 
-    violating = slo.requests >= settings.min_requests and slo.violation_rate > settings.t_down
+    violating = slo.requests >= settings.min_requests and slo.violation_rate > settings.t_down and not hold_down
     down = scale_down_step(view, settings, speedup_of) if violating else None
     cut = memory.original_batch is not None
     dwelling = (memory.pressure.last_direction == "enter" and memory.pressure.last_change is not None
@@ -561,22 +559,31 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
     return [PlannedCommand(view.plan.leader, args, why, inputs) for args in step.commands], memory
 
 
-def plan(state: ClusterState, memory: CocoMemory, settings: CocoSettings,
-         profile: SpeedupProfile = DEFAULT_PROFILE) -> tuple[list[PlannedCommand], CocoMemory]:
-    """Pure: the commands for `state` and the memory for the next one."""
+def plan(state: ClusterState, memory: CocoMemory, settings: CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE,
+         hold_down: Collection[str] = ()) -> tuple[list[PlannedCommand], CocoMemory]:
+    """Pure: the commands for `state` and the memory for the next one. Instances whose leader is in
+    `hold_down` take no scale-down step now (a cheaper rung takes the pressure)."""
     if settings.mode == "off":
         return [], memory
     commands: list[PlannedCommand] = []
     out: dict[str, InstanceMemory] = {}
     for view in instances(state):
         previous = memory.instances.get(view.plan.id, InstanceMemory())
-        planned, out[view.plan.id] = _plan_instance(view, previous, settings, profile, state.time)
+        planned, out[view.plan.id] = _plan_instance(view, previous, settings, profile, state.time,
+                                                    view.plan.leader in hold_down)
         commands.extend(planned)
     # An instance missing from this state (its leader silent) keeps what it recorded: a leader that comes
     # back still has its cut cap and its migrated layers, or its telemetry shows they are gone.
     for instance, kept in memory.instances.items():
         out.setdefault(instance, replace(kept, pressure=_quiet(kept.pressure), idle=_quiet(kept.idle)))
     return commands, CocoMemory(out)
+
+
+def stepping_back(state: ClusterState, memory: CocoMemory) -> set[str]:
+    """The leaders of instances with steps back still to take (a cut batch cap, migrated layers)."""
+    return {view.plan.leader for view in instances(state)
+            if (kept := memory.instances.get(view.plan.id)) is not None
+            and (kept.original_batch is not None or kept.migrations)}
 
 
 def make_policy(profile: SpeedupProfile | None = None, settings: CocoSettings | None = None) -> Policy:

@@ -26,13 +26,14 @@ capacity is reached tens of seconds after the smaller one would already suffice.
 the pages the running sequences will still take (`pages_growth`) beside those they hold: early in a
 burst its sequences are short, and a restore judged on what they hold would come back mid-burst.
 
-Only standalone executors morph (no plan, or an instance of one member): an instance of several
-members refuses to quantize, and its rungs are CoCoServe's (policies/cocoserve.py).
+Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
+several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its
+telemetry reports the plan's bits. How this rung and CoCoServe's share an instance is ladder.py's.
 """
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields, replace
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
@@ -218,9 +219,17 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
             and es.kv_usage * capacity + t.pages_growth <= settings.kv_low * after)
 
 
-def standalone(es: ExecutorState) -> bool:
+def leads(es: ExecutorState) -> bool:
+    """Whether it leads its instance (a follower's layers are its leader's to swap)."""
     plan = es.telemetry.plan
-    return plan is None or len(plan.members) == 1
+    return plan is None or plan.leader == es.executor
+
+
+def will_quantize(es: ExecutorState, settings: MorphSettings) -> bool:
+    """Whether this rung takes the pressure it sees now: under pressure, with a layer left to quantize."""
+    t = es.telemetry
+    return (settings.mode != "off" and next_quantize(t.layers, settings, t.swap_order) is not None
+            and under_pressure(es, settings))
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
@@ -242,8 +251,8 @@ def load_inputs(es: ExecutorState, taken_back: int) -> dict:
 SettingsSource = MorphSettings | Callable[[int], MorphSettings]
 
 
-def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSettings,
-                   now: float) -> tuple[list[PlannedCommand], ExecutorMemory]:
+def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSettings, now: float,
+                   hold_restore: bool = False) -> tuple[list[PlannedCommand], ExecutorMemory]:
     t = es.telemetry
     freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
     if not es.alive or t.draining:
@@ -251,7 +260,7 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
         quiet = replace(memory.hysteresis, pressure_windows=0, calm_windows=0)
         return [], ExecutorMemory(quiet, freed)
     up = next_quantize(t.layers, settings, t.swap_order)
-    down = next_restore(t.layers, settings, t.swap_order)
+    down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.
     pressure = up is not None and under_pressure(es, settings)
@@ -269,21 +278,22 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     return commands, ExecutorMemory(hysteresis, freed)
 
 
-def plan(state: ClusterState, memory: MorphMemory,
-         settings: SettingsSource) -> tuple[list[PlannedCommand], MorphMemory]:
+def plan(state: ClusterState, memory: MorphMemory, settings: SettingsSource,
+         hold_restore: Collection[str] = ()) -> tuple[list[PlannedCommand], MorphMemory]:
     """Pure: the commands for `state` and the memory for the next one. `settings` is one
-    MorphSettings for every executor or a function of an executor's depth."""
+    MorphSettings for every executor or a function of an executor's depth; the leaders in
+    `hold_restore` restore nothing now (a costlier rung has steps back to take first)."""
     commands: list[PlannedCommand] = []
     executors: dict[str, ExecutorMemory] = {}
     for es in state.executors:
-        if not standalone(es):
+        if not leads(es):
             continue
         s = settings(len(es.telemetry.layers)) if callable(settings) else settings
         previous = memory.executors.get(es.executor, ExecutorMemory())
         if s.mode == "off":
             executors[es.executor] = previous
             continue
-        planned, executors[es.executor] = _plan_executor(es, previous, s, state.time)
+        planned, executors[es.executor] = _plan_executor(es, previous, s, state.time, es.executor in hold_restore)
         commands.extend(planned)
     # Executors gone from the state are forgotten: one that comes back starts from its telemetry.
     return commands, MorphMemory(executors)

@@ -33,7 +33,7 @@ from services.executor.fabric.member import InstanceMember, Seat
 from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
 from shared.errors import InvalidCommandError, InvalidRequestError
-from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs, ResumedCompletion
+from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, ResumedCompletion
 from shared.sampling import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -296,8 +296,9 @@ class LLMEngine:
         return torch.Generator(device=self.config.device).manual_seed(seed)
 
     # --- CoCoServe's operations ---------------------------------------------------------------
-    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs) -> dict:
-        """Replicate, migrate or evict layers of the instance this engine leads, between two steps."""
+    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs | QuantizeArgs | RestoreArgs) -> dict:
+        """Replicate, migrate, evict, quantize or restore layers of the instance this engine leads, between
+        two steps (an executor alone quantizes through its swapper)."""
         if self.member is None:
             raise ReshapeRefused("this executor serves alone: its layers have no other member to go to")
         return self.runner.reshape(op, self.scheduler)

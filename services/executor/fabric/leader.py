@@ -14,7 +14,7 @@ from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.replicas import assign_replicas, rows_by_replica
-from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs
+from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 
 
 class InstanceRunner(ModelRunner):
@@ -42,9 +42,12 @@ class InstanceRunner(ModelRunner):
     def keepalive(self) -> None:
         self.member.keepalive()
 
-    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs, scheduler: Scheduler) -> dict:
-        """Apply a CoCoServe operation between two steps; ReshapeRefused (nothing changed) or a report."""
-        report, self.sticky = reshape.lead(self.member, scheduler, self.sticky, op)
+    def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs | QuantizeArgs | RestoreArgs,
+                scheduler: Scheduler) -> dict:
+        """Change the instance's plan between two steps as `op` asks; ReshapeRefused (nothing changed) or a
+        report."""
+        plan = reshape.next_plan(self.member.plan, op)
+        report, self.sticky = reshape.lead(self.member, scheduler, self.sticky, plan)
         return report
 
     def _replica_parts(self, chunks: list[ScheduledChunk]) -> list[wire.ReplicaPart]:

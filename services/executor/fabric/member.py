@@ -62,7 +62,7 @@ class InstanceMember:
         self.device = torch.device(config.device)
         self.adopt(plan)
         self.shard = Shard(plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
-        view = MemberCheckpoint(checkpoint, self.shard, dtype)
+        self.checkpoint = view = MemberCheckpoint(checkpoint, self.shard, dtype)
         cfg = view.config
         self.group = world.group(plan.members)
         held = layers_on(plan, me)
@@ -72,6 +72,8 @@ class InstanceMember:
         reduce = self._all_reduce if plan.tp > 1 else None
         self.model = DecoderModel(cfg, self.arena, view, dtype, config.device, max_model_len, progress, reduce, held)
         self.hidden_size, self.dtype = cfg.hidden_size, dtype
+        # Full-precision copies of the layers this member quantized while the instance ran, for their restore.
+        self.full_copies: dict[int, dict[str, torch.Tensor]] = {}
         self.min_blocks = geometry.pages_for_tokens(max_model_len)  # an instance holds one longest sequence
         self._quantize_as_planned(held)
         self.capacity, blocks = self._agree_on_blocks()

@@ -1,6 +1,7 @@
-"""CoCoServe's operations on a running instance: replicate, migrate and evict a range of layers (§3.1).
+"""Changing a running instance's plan: CoCoServe's replicate, migrate and evict of a range of layers (§3.1),
+and MorphServe's quantize and restore taken by the instance as a whole (every member holding a layer swaps it).
 
-An operation is applied between two steps by every member in lock-step, in two rounds:
+A change is applied between two steps by every member in lock-step, in two rounds:
   1. The leader sends the next plan (a RESHAPE step). Each member works out how many of its pages would
      be outside slots afterwards, and all gather those counts: the instance then has K' blocks, the
      fewest any member can back (a member that takes a layer may leave fewer; one that gives a layer up,
@@ -29,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
-from services.executor.engine.model.decoder import layer_layout, variant_layout
+from services.executor.engine.model.decoder import layer_layout, load_layer, variant_layout
+from services.executor.engine.morphing.variants import quantize_layer
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.fabric import step as wire
 from services.executor.fabric.replicas import KvMove, reassign
-from shared.messages import EvictArgs, InstancePlan, MigrateArgs, ReplicateArgs
-from shared.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments
+from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
+from shared.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments, with_bits
 
 if TYPE_CHECKING:
     from services.executor.fabric.member import InstanceMember
@@ -88,15 +90,25 @@ def _tensor_plan(payload: torch.Tensor) -> InstancePlan:
 
 
 # --- the leader ---------------------------------------------------------------------------------------
-def lead(member: "InstanceMember", scheduler: Scheduler, sticky: dict[int, dict[str, str]],
-         op: Operation) -> tuple[dict, dict[int, dict[str, str]]]:
-    """Apply `op` to the instance `member` leads: (a report, the replicas' sticky requests afterwards).
-    Raises ReshapeRefused, with nothing changed, when it cannot apply."""
-    start = time.perf_counter()
+def next_plan(plan: InstancePlan, op: Operation | QuantizeArgs | RestoreArgs) -> InstancePlan:
+    """The plan `op` asks for; ReshapeRefused says why it cannot apply."""
     try:
-        plan = reshaped(member.plan, op)
+        if isinstance(op, QuantizeArgs):
+            return with_bits(plan, op.layers, op.bits)
+        if isinstance(op, RestoreArgs):
+            return with_bits(plan, op.layers, FULL_BITS)
+        return reshaped(plan, op)
     except OperationRefused as exc:
         raise ReshapeRefused(str(exc)) from None
+
+
+def lead(member: "InstanceMember", scheduler: Scheduler, sticky: dict[int, dict[str, str]],
+         plan: InstancePlan) -> tuple[dict, dict[int, dict[str, str]]]:
+    """Serve `plan` from now on in the instance `member` leads: (a report, the replicas' sticky requests
+    afterwards). Raises ReshapeRefused, with nothing changed, when it cannot apply."""
+    start = time.perf_counter()
+    if plan == member.plan:
+        raise ReshapeRefused("the instance already serves that plan")
     member.send_step(wire.StepPlan(wire.RESHAPE, payload=_plan_tensor(plan)))
     outside = _gather_outside_slots(member, plan)
     before, after = member.num_blocks, min(min(outside.values()), member.capacity)
@@ -118,10 +130,10 @@ def lead(member: "InstanceMember", scheduler: Scheduler, sticky: dict[int, dict[
     moved_bytes = _apply(member, plan, verdict)
     report = {"plan": plan.model_dump(), "blocks_before": before, "blocks_after": after,
               "blocks_relocated": len(copies), "layers_copied": len(verdict.weights),
+              "layers": [layer.bits for layer in plan.layers],
               "kv_rows_moved": sum(len(m.layers) * len(m.blocks) for m in moves), "bytes_moved": moved_bytes,
               "seconds": time.perf_counter() - start}
-    log.info("instance %s: %s layers %s: %s", plan.id, op.kind, op.layers,
-             {k: v for k, v in report.items() if k != "plan"})
+    log.info("instance %s reshaped: %s", plan.id, {k: v for k, v in report.items() if k != "plan"})
     return report, new_sticky
 
 
@@ -171,18 +183,29 @@ def _slot_head(member: "InstanceMember", layer: int, bits: int) -> range:
     return range(slot.start, slot.start + member.arena.geometry.pages_for_bytes(nbytes))
 
 
-def _gained_and_lost(member: "InstanceMember", plan: InstancePlan) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True)
+class Change:
+    """What `plan` changes on one member: the layers it gains, loses, and keeps at other bits."""
+    gained: list[int]
+    lost: list[int]
+    rebits: dict[int, int]  # layer -> its bits afterwards
+
+
+def _change(member: "InstanceMember", plan: InstancePlan) -> Change:
     held = set(layers_on(member.plan, member.me))
     will = set(layers_on(plan, member.me))
-    return sorted(will - held), sorted(held - will)
+    rebits = {i: plan.layers[i].bits for i in sorted(held & will) if plan.layers[i].bits != member.plan.layers[i].bits}
+    return Change(sorted(will - held), sorted(held - will), rebits)
 
 
 def _gather_outside_slots(member: "InstanceMember", plan: InstancePlan) -> dict[str, int]:
     """Every member's pages outside slots once `plan` applies (all gathered, in member order)."""
-    gained, lost = _gained_and_lost(member, plan)
+    change = _change(member, plan)
     slot = member.arena.ledger.snapshot().pages_slot
-    slot += sum(len(_slot_head(member, i, plan.layers[i].bits)) for i in gained)
-    slot -= sum(len(_slot_head(member, i, member.model.layer_bits[i])) for i in lost)
+    slot += sum(len(_slot_head(member, i, plan.layers[i].bits)) for i in change.gained)
+    slot -= sum(len(_slot_head(member, i, member.model.layer_bits[i])) for i in change.lost)
+    slot += sum(len(_slot_head(member, i, bits)) - len(_slot_head(member, i, member.model.layer_bits[i]))
+                for i, bits in change.rebits.items())
     mine = torch.tensor([member.arena.ledger.num_pages - slot], dtype=torch.int64)
     counts = [torch.zeros(1, dtype=torch.int64) for _ in plan.members]
     with member.collective("gathering the members' free pages for a reshape"):
@@ -194,13 +217,18 @@ def _apply(member: "InstanceMember", plan: InstancePlan, verdict: Verdict) -> in
     """Carry out `verdict` on this member (module docstring, round 2); returns the bytes it sent or received."""
     arena, model, me = member.arena, member.model, member.me
     kv = arena.kv_cache
-    gained, lost = _gained_and_lost(member, plan)
+    change = _change(member, plan)
     if verdict.copies.numel():
         kv[member.pages[verdict.copies[:, 1]]] = kv[member.pages[verdict.copies[:, 0]]]
     member.unmap_blocks(min(verdict.blocks, member.num_blocks))
-    heads = {i: _slot_head(member, i, plan.layers[i].bits) for i in gained}
-    member.vacate({p for pages in heads.values() for p in pages})
-    for i, pages in heads.items():
+    # Slot pages to take back: the heads of layers gained, the tails of layers going back to more bits.
+    taken = {i: _slot_head(member, i, plan.layers[i].bits) for i in change.gained}
+    for i, bits in change.rebits.items():
+        now, then = _slot_head(member, i, model.layer_bits[i]), _slot_head(member, i, bits)
+        if then.stop > now.stop:
+            taken[i] = range(now.stop, then.stop)
+    member.vacate({p for pages in taken.values() for p in pages})
+    for i, pages in taken.items():
         arena.ledger.assign_slot(i, pages)
     moved = 0
     for layer, src, dst in verdict.weights:
@@ -214,27 +242,65 @@ def _apply(member: "InstanceMember", plan: InstancePlan, verdict: Verdict) -> in
     for move in verdict.moves:
         if me in (move.src, move.dst):
             moved += _move_rows(member, move)
-    for i in lost:
+    for i, bits in change.rebits.items():
+        _write_bits(member, i, bits)
+    for i in change.lost:
         arena.ledger.release_slot_pages(i, _slot_head(member, i, model.layer_bits[i]))
         model.layers[i] = None
+        member.full_copies.pop(i, None)
     member.map_blocks(verdict.blocks)
     member.adopt(plan)
     member.barrier("finishing a reshape")
     return moved
 
 
-def _adopt_layer(member: "InstanceMember", layer: int, bits: int) -> None:
-    """Point the model at the weights just written into `layer`'s slot."""
-    model, arena = member.model, member.arena
+def layer_views(member: "InstanceMember", layer: int, bits: int) -> dict[str, torch.Tensor]:
+    """`layer`'s tensors at `bits`, as views into its slot."""
+    model = member.model
     if bits in (FULL_BITS, model.full_bits):
         layout = {name: (off, shape, model.dtype)
                   for name, (off, shape) in layer_layout(model.cfg, model.dtype)[0].items()}
-        bits = model.full_bits
     else:
         layout = variant_layout(model.cfg, model.dtype, bits)[0]
-    model.layers[layer] = {name: arena.slot_view(layer, off, shape, dtype)
-                           for name, (off, shape, dtype) in layout.items()}
-    model.layer_bits[layer] = bits
+    return {name: member.arena.slot_view(layer, off, shape, dtype) for name, (off, shape, dtype) in layout.items()}
+
+
+def _adopt_layer(member: "InstanceMember", layer: int, bits: int) -> None:
+    """Point the model at `layer`'s slot, holding the layer at `bits`."""
+    model = member.model
+    model.layers[layer] = layer_views(member, layer, bits)
+    model.layer_bits[layer] = model.full_bits if bits == FULL_BITS else bits
+
+
+def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
+    """Bring a held layer to `bits` in place, releasing the slot pages it no longer fills (its slot's head was
+    taken back before, when it grows). Full precision comes from the copy kept when it was quantized here,
+    else (a replica that arrived quantized) from the checkpoint, read again."""
+    model, arena = member.model, member.arena
+    before = _slot_head(member, layer, model.layer_bits[layer])
+    full = member.full_copies.get(layer)
+    if full is None and model.layer_bits[layer] == model.full_bits:
+        full = member.full_copies[layer] = {name: t.clone() for name, t in model.layers[layer].items()}
+    if bits in (FULL_BITS, model.full_bits):
+        _adopt_layer(member, layer, model.full_bits)
+        if full is not None:
+            for name, tensor in full.items():
+                model.layers[layer][name].copy_(tensor)
+        else:
+            load_layer(model.layers[layer], member.checkpoint, layer)
+        member.full_copies.pop(layer, None)
+    else:
+        if full is None:
+            full = {name: t.clone() for name, t in layer_views(member, layer, model.full_bits).items()}
+            load_layer(full, member.checkpoint, layer)
+            member.full_copies[layer] = full
+        variant = quantize_layer(full, bits)
+        _adopt_layer(member, layer, bits)
+        for name, tensor in variant.items():
+            model.layers[layer][name].copy_(tensor)
+    after = _slot_head(member, layer, model.layer_bits[layer])
+    if after.stop < before.stop:
+        arena.ledger.release_slot_pages(layer, range(after.stop, before.stop))
 
 
 def _move_rows(member: "InstanceMember", move: KvMove) -> int:

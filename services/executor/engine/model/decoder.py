@@ -72,6 +72,21 @@ def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
     return layout, offset
 
 
+def load_layer(views: dict[str, torch.Tensor], checkpoint: Checkpoint, layer: int) -> None:
+    """Copy decoder layer `layer`'s full-precision weights from `checkpoint` into `views` (layer_layout's)."""
+    def get(name: str) -> torch.Tensor:
+        return checkpoint.get(f"layers.{layer}.{name}")
+
+    views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
+    views["o_proj"].copy_(get("o_proj"))
+    views["gate_up_proj"].copy_(torch.cat([get("gate_proj"), get("up_proj")]))
+    views["down_proj"].copy_(get("down_proj"))
+    views["input_norm"].copy_(get("input_norm"))
+    views["post_attn_norm"].copy_(get("post_attn_norm"))
+    if "qkv_bias" in views:
+        views["qkv_bias"].copy_(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with Llama 3 or linear scaling applied as transformers does."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
@@ -166,15 +181,7 @@ class DecoderModel:
         held = range(cfg.num_layers) if held is None else sorted(held)
         for i in tqdm(held, desc="loading layers", unit="layer", disable=not progress):
             views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
-            get = lambda name: checkpoint.get(f"layers.{i}.{name}")  # noqa: E731
-            views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
-            views["o_proj"].copy_(get("o_proj"))
-            views["gate_up_proj"].copy_(torch.cat([get("gate_proj"), get("up_proj")]))
-            views["down_proj"].copy_(get("down_proj"))
-            views["input_norm"].copy_(get("input_norm"))
-            views["post_attn_norm"].copy_(get("post_attn_norm"))
-            if cfg.attention_bias:
-                views["qkv_bias"].copy_(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
+            load_layer(views, checkpoint, i)
             self.layers[i] = views
         self.embed_tokens = checkpoint.get("embed_tokens").to(device=device, dtype=dtype)
         self.norm = checkpoint.get("norm").to(device=device, dtype=dtype)

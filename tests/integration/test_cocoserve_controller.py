@@ -69,8 +69,9 @@ def test_replicate_when_idle_scale_down_under_a_burst_and_everything_back_after(
     assert replicate[0]["inputs"]["vacancy"]["exec1"]["rate"] > 0.2
     before_burst = len(events.got)
 
-    # A burst: waves of concurrent requests, until the controller has cut the batch.
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    # A burst: waves of concurrent requests, until the controller has cut the batch. A cut cap can fill the
+    # waiting queue: the gateway then answers 429, which changes nothing, and the client retries as clients do.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10, timeout=600)
 
     def one(_):
         out = client.completions.create(model=MODEL, prompt=BURST_PROMPT, max_tokens=BURST_TOKENS,

@@ -134,7 +134,7 @@ def test_ledgers_stay_exact_across_random_interleavings_of_operations_and_reques
     with instance_engine(config, Shape(2, plan_file=plan), timeout_s=60) as engine:
         blocks_at_start = engine.member.num_blocks
 
-        @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+        @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
         @given(st.lists(st.tuples(st.integers(0, 12), OPERATIONS), max_size=5),
                st.lists(st.integers(0, 8), min_size=len(PROMPTS), max_size=len(PROMPTS)))
         def interleaving(ops, arrival_steps):

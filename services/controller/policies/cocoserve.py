@@ -385,6 +385,9 @@ class InstanceMemory:
     pressure: HysteresisState = HysteresisState()  # scale-down steps ("enter") and steps back ("leave")
     idle: HysteresisState = HysteresisState()  # scale-up ("enter")
     original_batch: int | None = None  # the leader's batch cap before the first cut
+    # The cap the last batch command set: telemetry lags a command under load, so a cap still reported at
+    # its original value right after a cut is not yet a sign that it came back.
+    batch_target: int | None = None
     migrations: tuple[Migration, ...] = ()  # phase 1's, oldest first
     last_command: float | None = None
 
@@ -408,9 +411,12 @@ def _still_away(plan: InstancePlan, migration: Migration) -> list[int]:
     return [i for i in range(a, min(b, len(plan.layers) - 1) + 1) if plan.layers[i].placement == [migration.to]]
 
 
-def _forget_done(memory: InstanceMemory, view: InstanceView) -> InstanceMemory:
+def _forget_done(memory: InstanceMemory, view: InstanceView, settings: CocoSettings, now: float) -> InstanceMemory:
     original = memory.original_batch
-    if original is not None and view.leader.telemetry.max_num_seqs >= original:
+    # Back where it was: by our own raise, or long enough after a cut (one refused) that telemetry must tell.
+    stale = memory.last_command is not None and now - memory.last_command > 4 * settings.settle_s
+    if (original is not None and view.leader.telemetry.max_num_seqs >= original
+            and (memory.batch_target == original or stale)):
         original = None
     migrations = tuple(m for m in memory.migrations if _still_away(view.plan, m))
     return replace(memory, original_batch=original, migrations=migrations)
@@ -514,7 +520,7 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
     settling = memory.last_command is not None and now - memory.last_command < settings.settle_s
     if not view.whole or settling:
         return [], replace(memory, pressure=_quiet(memory.pressure), idle=_quiet(memory.idle))
-    memory = _forget_done(memory, view)
+    memory = _forget_done(memory, view, settings, now)
     leader, slo = view.leader, view.leader.slo
     tokens = batch_tokens(view, settings)
 
@@ -533,7 +539,11 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
             if settings.mode == "default" and view.plan.tp == 1 and quiet and not cut and not dwelling else None)
     back = release_step(view, memory, settings, replicas_pending=grow is not None)
     # Only windows in which a step is possible count, so a step the hysteresis grants is one the policy takes.
+    # A window with too few finished requests says nothing while requests run (the start of a burst has
+    # finished none yet); only an idle leader is calm without them.
+    idle_leader = leader.telemetry.running == 0 and leader.telemetry.waiting == 0
     calm = (back is not None and slo.violation_rate <= settings.t_down_low
+            and (slo.requests >= settings.min_requests or idle_leader)
             and release_ok(leader, settings, back.cost_pages))
     event, pressure = advance(settings.hysteresis, memory.pressure, down is not None, calm, now)
     memory = replace(memory, pressure=pressure)
@@ -548,6 +558,8 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
         return [], memory
     if step.phase == "batch" and memory.original_batch is None:
         memory = replace(memory, original_batch=leader.telemetry.max_num_seqs)
+    if step.phase in ("batch", "batch-back"):
+        memory = replace(memory, batch_target=step.commands[0].max_num_seqs)
     if step.phase == "migrate":
         moved = step.commands[0]
         memory = replace(memory, migrations=(*memory.migrations,

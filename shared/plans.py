@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from shared.messages import EvictArgs, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
+from shared.messages import EvictArgs, ExecutorState, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
 
 FULL_BITS = 16
 
@@ -188,6 +188,13 @@ def with_bits(plan: InstancePlan, layers: int | list[int], bits: int) -> Instanc
         raise OperationRefused(f"layer indices must be distinct and in [0, {len(current)}): {layers}")
     new = [layer.model_copy(update={"bits": bits}) if i in layers else layer for i, layer in enumerate(plan.layers)]
     return plan.model_copy(update={"layers": new})
+
+
+def leads(es: ExecutorState) -> bool:
+    """Whether it leads its instance: the one executor of the instance that takes requests and commands
+    (an executor outside any world leads itself)."""
+    plan = es.telemetry.plan
+    return plan is None or plan.leader == es.executor
 
 
 def plan_of(plans: list[InstancePlan], executor: str) -> InstancePlan:

@@ -68,7 +68,7 @@ class ExecutorService:
         self.engine = engine
         self.id = config.executor_id
         self.instance = uuid.uuid4().hex  # tells the monitor a restart from a stall
-        self.plan = plan
+        self._plan = plan
         self.broken = asyncio.Event()  # set once the instance it leads loses a member
         self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
@@ -225,6 +225,11 @@ class ExecutorService:
         return result
 
     @property
+    def plan(self) -> InstancePlan | None:
+        """The plan it serves now: its instance's, which operations change, else the one it was given."""
+        return self.engine.member.plan if self.engine.member is not None else self._plan
+
+    @property
     def instance_id(self) -> str:
         return self.engine.member.plan.id if self.engine.member is not None else alone_id(self.id)
 
@@ -239,9 +244,7 @@ class ExecutorService:
         if isinstance(args, BatchArgs):
             before = self.engine.set_max_num_seqs(args.max_num_seqs)
             return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}
-        report = self.engine.reshape(args)
-        self.plan = self.engine.member.plan
-        return report
+        return self.engine.reshape(args)
 
     # --- sending ------------------------------------------------------------------------------
     async def _publish(self, subject: str, message) -> None:

@@ -31,11 +31,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from services.gateway.openai_api import ApiError, bad_request
-from services.gateway.router import leads
 from shared.commands import CommandSender
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, CommandResult, EvictArgs, InstancePlan, MigrateArgs,
                              QuantizeArgs, ReplicateArgs, RestoreArgs)
-from shared.plans import alone, alone_id
+from shared.plans import alone, alone_id, leads
 
 ALL = "*"
 # Swapping layers waits for a forward-pass boundary and may relocate KV blocks; a busy CPU executor

@@ -9,12 +9,7 @@ candidates. An executor without a plan is a standalone one and leads itself.
 """
 
 from shared.messages import ClusterState, ExecutorState
-
-
-def leads(e: ExecutorState) -> bool:
-    """Whether it leads its instance: the one executor of the instance that takes requests."""
-    plan = e.telemetry.plan
-    return plan is None or plan.leader == e.executor
+from shared.plans import leads
 
 
 def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:

@@ -1,7 +1,8 @@
 """choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, most free
 KV pages, then shortest queue."""
 
-from services.gateway.router import choose_executor, leads, serving
+from services.gateway.router import choose_executor, serving
+from shared.plans import leads
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
 from shared.plans import tp_plans
 

@@ -19,6 +19,7 @@ from services.controller.policies import cocoserve, morph
 from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import ControllerConfig
 from shared.messages import ClusterState
+from shared.plans import leads
 from shared.speedup import DEFAULT_PROFILE, SpeedupProfile
 
 
@@ -36,7 +37,7 @@ def plan(state: ClusterState, memory: LadderMemory, morph_settings: morph.Settin
         return morph_settings(n) if callable(morph_settings) else morph_settings
 
     quantizing = {es.executor for es in state.executors
-                  if es.alive and morph.leads(es) and morph.will_quantize(es, settings_of(es))}
+                  if es.alive and leads(es) and morph.will_quantize(es, settings_of(es))}
     stepping_back = cocoserve.stepping_back(state, memory.operations)
     coco_commands, coco_memory = cocoserve.plan(state, memory.operations, coco_settings, profile, quantizing)
     morph_commands, morph_memory = morph.plan(state, memory.swaps, morph_settings, stepping_back)

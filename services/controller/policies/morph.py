@@ -40,6 +40,7 @@ from services.controller.hysteresis import HysteresisParams, HysteresisState, ad
 from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, QuantizeArgs, RestoreArgs
+from shared.plans import leads
 
 MODES = ("off", "accuracy", "default", "performance")
 QUANT_BITS = (8, 4)
@@ -217,12 +218,6 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
     return (t.waiting == 0 and es.queue_delay_s <= settings.queue_delay_low_s and after > 0
             and (t.kv.pages_used + t.pages_growth) * (1 + settings.release_margin) <= after
             and es.kv_usage * capacity + t.pages_growth <= settings.kv_low * after)
-
-
-def leads(es: ExecutorState) -> bool:
-    """Whether it leads its instance (a follower's layers are its leader's to swap)."""
-    plan = es.telemetry.plan
-    return plan is None or plan.leader == es.executor
 
 
 def will_quantize(es: ExecutorState, settings: MorphSettings) -> bool:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
-from services.executor.engine.model.decoder import layer_layout, load_layer, variant_layout
+from services.executor.engine.model.decoder import load_layer, slot_layout
 from services.executor.engine.morphing.variants import quantize_layer
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.fabric import step as wire
@@ -120,10 +120,11 @@ def lead(member: "InstanceMember", scheduler: Scheduler, sticky: dict[int, dict[
         raise
     if after > before:
         member.blocks.reinstate(range(before, after))
-    held = {seq.request_id: set() for seq in [*scheduler.running, *scheduler.waiting]}
+    held: dict[str, set[int]] = {}  # request -> the blocks its sequences hold
     for seq in [*scheduler.running, *scheduler.waiting]:
-        held[seq.request_id].update(seq.block_table)
-    new_sticky, moves = reassign(member.segments, segments(plan), sticky, {r: b for r, b in held.items() if b})
+        if seq.block_table:
+            held.setdefault(seq.request_id, set()).update(seq.block_table)
+    new_sticky, moves = reassign(member.segments, segments(plan), sticky, held)
     verdict = Verdict(True, after, torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
                       _weight_sources(member.plan, plan), moves)
     member.share(verdict.encode(members), "sending a reshape's verdict")
@@ -176,9 +177,7 @@ def follow(member: "InstanceMember", step: wire.StepPlan) -> None:
 # --- every member ---------------------------------------------------------------------------------------
 def _slot_head(member: "InstanceMember", layer: int, bits: int) -> range:
     """The pages of `layer`'s slot that its weights at `bits` take (a quantized layer leaves the rest KV)."""
-    cfg, dtype = member.model.cfg, member.model.dtype
-    full = bits in (FULL_BITS, member.model.full_bits)  # a plan says 16 for "as loaded", float32 included
-    nbytes = layer_layout(cfg, dtype)[1] if full else variant_layout(cfg, dtype, bits)[1]
+    _, nbytes = slot_layout(member.model.cfg, member.model.dtype, _model_bits(member, bits))
     slot = member.arena.slot_range(layer)
     return range(slot.start, slot.start + member.arena.geometry.pages_for_bytes(nbytes))
 
@@ -254,22 +253,21 @@ def _apply(member: "InstanceMember", plan: InstancePlan, verdict: Verdict) -> in
     return moved
 
 
+def _model_bits(member: "InstanceMember", bits: int) -> int:
+    """A plan's bits as the model counts them: a plan says 16 for "as loaded", float32 included."""
+    return member.model.full_bits if bits == FULL_BITS else bits
+
+
 def layer_views(member: "InstanceMember", layer: int, bits: int) -> dict[str, torch.Tensor]:
     """`layer`'s tensors at `bits`, as views into its slot."""
-    model = member.model
-    if bits in (FULL_BITS, model.full_bits):
-        layout = {name: (off, shape, model.dtype)
-                  for name, (off, shape) in layer_layout(model.cfg, model.dtype)[0].items()}
-    else:
-        layout = variant_layout(model.cfg, model.dtype, bits)[0]
+    layout, _ = slot_layout(member.model.cfg, member.model.dtype, _model_bits(member, bits))
     return {name: member.arena.slot_view(layer, off, shape, dtype) for name, (off, shape, dtype) in layout.items()}
 
 
 def _adopt_layer(member: "InstanceMember", layer: int, bits: int) -> None:
     """Point the model at `layer`'s slot, holding the layer at `bits`."""
-    model = member.model
-    model.layers[layer] = layer_views(member, layer, bits)
-    model.layer_bits[layer] = model.full_bits if bits == FULL_BITS else bits
+    member.model.layers[layer] = layer_views(member, layer, bits)
+    member.model.layer_bits[layer] = _model_bits(member, bits)
 
 
 def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
@@ -277,27 +275,19 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     taken back before, when it grows). Full precision comes from the copy kept when it was quantized here,
     else (a replica that arrived quantized) from the checkpoint, read again."""
     model, arena = member.model, member.arena
+    bits = _model_bits(member, bits)
     before = _slot_head(member, layer, model.layer_bits[layer])
-    full = member.full_copies.get(layer)
+    full = member.full_copies.pop(layer, None)
     if full is None and model.layer_bits[layer] == model.full_bits:
-        full = member.full_copies[layer] = {name: t.clone() for name, t in model.layers[layer].items()}
-    if bits in (FULL_BITS, model.full_bits):
-        _adopt_layer(member, layer, model.full_bits)
-        if full is not None:
-            for name, tensor in full.items():
-                model.layers[layer][name].copy_(tensor)
-        else:
-            load_layer(model.layers[layer], member.checkpoint, layer)
-        member.full_copies.pop(layer, None)
-    else:
-        if full is None:
-            full = {name: t.clone() for name, t in layer_views(member, layer, model.full_bits).items()}
-            load_layer(full, member.checkpoint, layer)
-            member.full_copies[layer] = full
-        variant = quantize_layer(full, bits)
-        _adopt_layer(member, layer, bits)
-        for name, tensor in variant.items():
-            model.layers[layer][name].copy_(tensor)
+        full = {name: t.clone() for name, t in model.layers[layer].items()}
+    if full is None:
+        full = {name: torch.empty_like(t) for name, t in layer_views(member, layer, model.full_bits).items()}
+        load_layer(full, member.checkpoint, layer)
+    if bits != model.full_bits:
+        member.full_copies[layer] = full
+    _adopt_layer(member, layer, bits)
+    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits)).items():
+        model.layers[layer][name].copy_(tensor)
     after = _slot_head(member, layer, model.layer_bits[layer])
     if after.stop < before.stop:
         arena.ledger.release_slot_pages(layer, range(after.stop, before.stop))

@@ -51,6 +51,7 @@ from services.executor.tools.profile import write_json
 from shared.config import RESULTS_DIR, EngineConfig, parse_size
 from shared.net import free_port
 from shared.sampling import SamplingOptions
+from shared.speedup import Line
 
 DEFAULT_OUT = RESULTS_DIR / "speedup_profile.json"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)
@@ -66,15 +67,6 @@ WORLD_TIMEOUT_S = 30.0
 
 class ProfileError(RuntimeError):
     """The measurement could not be taken as asked (for example, the arena is too small for the batch)."""
-
-
-@dataclass(frozen=True)
-class Line:
-    intercept: float
-    slope: float
-
-    def at(self, x: float) -> float:
-        return self.intercept + self.slope * x
 
 
 def fit_line(points: Sequence[Sequence[float]]) -> Line:

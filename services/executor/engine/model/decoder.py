@@ -72,6 +72,16 @@ def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
     return layout, offset
 
 
+def slot_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
+                ) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    """Byte offset, shape and dtype of each tensor a layer's slot holds at `bits` (the dtype's own width:
+    full precision), and the bytes they fill from the slot's start."""
+    if bits == torch.finfo(dtype).bits:
+        layout, nbytes = layer_layout(cfg, dtype)
+        return {name: (offset, shape, dtype) for name, (offset, shape) in layout.items()}, nbytes
+    return variant_layout(cfg, dtype, bits)
+
+
 def load_layer(views: dict[str, torch.Tensor], checkpoint: Checkpoint, layer: int) -> None:
     """Copy decoder layer `layer`'s full-precision weights from `checkpoint` into `views` (layer_layout's)."""
     def get(name: str) -> torch.Tensor:

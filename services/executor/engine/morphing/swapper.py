@@ -15,7 +15,7 @@ import torch
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel, layer_layout, variant_layout
+from services.executor.engine.model.decoder import DecoderModel, slot_layout
 from services.executor.engine.morphing.variants import VariantStore
 from services.executor.engine.scheduling.scheduler import Scheduler
 
@@ -44,12 +44,9 @@ class LayerSwapper:
         self._fp_views = list(model.layers)  # the slot's full-precision views, to switch back to
         on_cuda = arena.buffer.is_cuda
         self._side = torch.cuda.Stream(device=arena.buffer.device) if on_cuda else None
-        dtype = model.dtype
-        self._layouts = {model.full_bits: {k: (o, s, dtype) for k, (o, s) in layer_layout(model.cfg, dtype)[0].items()}}
-        self._pages = {model.full_bits: arena.slot_pages}
-        for bits in self.store.bits:
-            layout, nbytes = variant_layout(model.cfg, dtype, bits)
-            self._layouts[bits] = layout
+        self._layouts, self._pages = {}, {}
+        for bits in (model.full_bits, *self.store.bits):
+            self._layouts[bits], nbytes = slot_layout(model.cfg, model.dtype, bits)
             self._pages[bits] = arena.geometry.pages_for_bytes(nbytes)
         self._order = list(range(len(model.layers)))
 

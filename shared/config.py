@@ -223,7 +223,10 @@ class MonitorConfig:
 class ControllerConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     controller_id: str = "ctl0"
-    command_timeout_s: float = 2.0
+    # An executor answers a command once it has applied it at a step boundary, so the answer can wait behind
+    # a whole step: a burst's prefill on two CPU cores took 2 s here, and more on a loaded CI machine. A
+    # shorter timeout calls a command failed that the executor went on to apply.
+    command_timeout_s: float = 10.0
     command_retries: int = 2
     # The MorphServe policy (services/controller/policies/morph.py): a mode preset, scaled to each
     # executor's depth, then any MorphSettings field overridden by name, e.g. (("kv_high", 0.85),).

@@ -32,7 +32,7 @@ from pathlib import Path
 from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_description, progress
 from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, seconds, served_model_name
 from shared.net import free_port
-from shared.plans import PlanError, read_plan_file
+from shared.plans import FFN_PIECES, PlanError, read_plan_file
 
 MORPHING_MODES = ("accuracy", "default", "performance")
 
@@ -146,6 +146,8 @@ def refused(args: argparse.Namespace) -> str | None:
     if args.suspect_after is not None and args.dead_after is not None and args.suspect_after > args.dead_after:
         return (f"--suspect-after {args.suspect_after:g} must not be longer than --dead-after {args.dead_after:g}: "
                 f"an executor is suspect before it is dead")
+    if args.tp is not None and FFN_PIECES % args.tp:
+        return f"--tp {args.tp} must be 1, 2 or 4: every layer's FFN is stored in {FFN_PIECES} pieces that TP splits"
     if args.tp is not None and args.executors % args.tp:
         return (f"--tp {args.tp} must divide --executors {args.executors}: each instance is {args.tp} consecutive "
                 f"executors")

@@ -18,6 +18,9 @@ from pydantic import ValidationError
 from shared.messages import EvictArgs, ExecutorState, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
 
 FULL_BITS = 16
+# Every layer stores its FFN in this many pieces (the executor's decoder.layer_layout), so that a merge or a
+# split of tensor parallelism cuts it in place: a TP degree must divide it.
+FFN_PIECES = 4
 
 
 class PlanError(ValueError):
@@ -39,6 +42,8 @@ def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BI
     every layer at `bits` (`--static-bits`)."""
     if tp < 1 or len(executors) % tp:
         raise PlanError(f"--tp {tp} must divide the {len(executors)} executors into equal instances")
+    if FFN_PIECES % tp:
+        raise PlanError(f"--tp {tp} must divide the FFN's {FFN_PIECES} pieces (TP 1, 2 or 4)")
     plans = []
     for i in range(0, len(executors), tp):
         members = executors[i:i + tp]
@@ -109,6 +114,8 @@ def check_plans(plans: list[InstancePlan], executors: list[str], num_layers: int
             raise PlanError(f"{where}.leader: {plan.leader!r} is not one of its members")
         if plan.tp not in (1, len(plan.members)):
             raise PlanError(f"{where}.tp: {plan.tp} must be 1 or the number of members ({len(plan.members)})")
+        if FFN_PIECES % plan.tp:
+            raise PlanError(f"{where}.tp: {plan.tp} must divide the FFN's {FFN_PIECES} pieces (TP 1, 2 or 4)")
         if num_layers is not None and len(plan.layers) != num_layers:
             raise PlanError(f"{where}.layers: the model has {num_layers} decoder layers, the plan lists "
                             f"{len(plan.layers)}")

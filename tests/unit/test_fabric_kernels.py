@@ -32,7 +32,7 @@ def test_quantized_linears_on_a_padded_ffn_shard(intermediate, hidden, tp):
     gen = torch.Generator().manual_seed(intermediate + tp)
     up = torch.randn(intermediate, hidden, generator=gen) * 0.05
     down = torch.randn(hidden, intermediate, generator=gen) * 0.05
-    real, width = ffn_shard(intermediate, tp, tp - 1, itemsize=4)
+    real, width = ffn_shard(intermediate, tp, tp - 1)
     for w in (pad_channels(up, real, width, 0), pad_channels(down, real, width, 1)):  # column- and row-split
         x = torch.randn(5, w.shape[1], generator=gen)
         q8 = quantize_int8(w)

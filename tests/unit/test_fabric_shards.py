@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.executor.engine.errors import ModelLoadError
-from services.executor.fabric.shards import PIECES, ffn_shard, head_shards, pad_channels, padded_piece
+from services.executor.engine.model.decoder import PIECE_MULTIPLE
+from services.executor.fabric.shards import ffn_shard, head_shards, pad_channels
+from shared.plans import FFN_PIECES
 
 
 @pytest.mark.parametrize("heads,kv,tp,expected", [
@@ -65,8 +67,8 @@ def test_padded_shards_reproduce_the_unpadded_ffn(intermediate, tp):
     whole = gated(x, gate, up)
     total = torch.zeros(5, hidden, dtype=torch.float64)
     for rank in range(tp):
-        real, width = ffn_shard(intermediate, tp, rank, itemsize=4)
-        assert width * 4 % 256 == 0  # every padded piece ends on the arena's alignment
+        real, width = ffn_shard(intermediate, tp, rank)
+        assert width % PIECE_MULTIPLE == 0  # whole INT4 groups in every piece
         h = gated(x, pad_channels(gate, real, width, 0), pad_channels(up, real, width, 0))
         for piece, r in enumerate(real):
             at = piece * width
@@ -79,10 +81,10 @@ def test_padded_shards_reproduce_the_unpadded_ffn(intermediate, tp):
 
 @given(intermediate=st.integers(1, 5000), tp=st.sampled_from([1, 2, 4]))
 def test_ffn_pieces_cover_each_channel_once_and_keep_their_boundaries_across_tp(intermediate, tp):
-    per_rank = [ffn_shard(intermediate, tp, r, itemsize=2)[0] for r in range(tp)]
+    per_rank = [ffn_shard(intermediate, tp, r)[0] for r in range(tp)]
     channels = [c for ranges in per_rank for r in ranges for c in r]
     assert channels == list(range(intermediate))
-    tp1_pieces = ffn_shard(intermediate, 1, 0, itemsize=2)[0]
+    tp1_pieces, width = ffn_shard(intermediate, 1, 0)
     assert [r for ranges in per_rank for r in ranges] == tp1_pieces  # a merge or split never moves a piece
-    assert len(tp1_pieces) == PIECES
-    assert padded_piece(intermediate, PIECES, 2) >= max(len(r) for r in tp1_pieces)
+    assert len(tp1_pieces) == FFN_PIECES
+    assert width >= max(len(r) for r in tp1_pieces)

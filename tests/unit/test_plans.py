@@ -67,13 +67,21 @@ def test_tp_must_divide_the_executors(tp):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 6))
+@given(st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(0, 6))
 def test_tp_plans_pass_their_own_checks_and_survive_a_round_trip_through_json(instances, tp, layers):
     executors = [f"exec{i}" for i in range(instances * tp)]
     plans = tp_plans(executors, tp, layers)
     check_plans(plans, executors, layers)
     assert sorted(m for p in plans for m in p.members) == sorted(executors)
     assert parse_plans(json.loads(json.dumps(plans_json(plans))), executors, layers) == plans
+
+
+def test_a_tp_degree_that_does_not_divide_the_ffn_pieces_is_refused():
+    with pytest.raises(PlanError, match="--tp 3 must divide the FFN's 4 pieces"):
+        tp_plans(EXECS[:3], 3, 2)
+    bad = {"instances": [{"members": EXECS[:3], "tp": 3, "layers": [{"placement": EXECS[:3]}] * 2}]}
+    with pytest.raises(PlanError, match=r"instances\[0\]\.tp: 3 must divide the FFN's 4 pieces"):
+        parse_plans(bad, EXECS, 2)
 
 
 # --- plan files: what is filled in ------------------------------------------------------------------

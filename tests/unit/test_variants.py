@@ -35,7 +35,8 @@ def test_variants_equal_direct_quantization_bit_for_bit(tiny_dir, tmp_path):
         assert all(torch.equal(store.full(i)[k], v) for k, v in slot.items())
         v8, v4 = store.get(i, 8), store.get(i, 4)
         for name in LINEARS:
-            q8, q4 = quantize_int8(slot[name]), quantize_int4(slot[name], int4_group(slot[name].shape[1]))
+            group = int4_group(model.ffn_width if name == "down_proj" else slot[name].shape[1])  # whole pieces
+            q8, q4 = quantize_int8(slot[name]), quantize_int4(slot[name], group)
             assert torch.equal(v8[f"{name}.q"], q8.qweight) and torch.equal(v8[f"{name}.scale"], q8.scale)
             assert torch.equal(v4[f"{name}.q"], q4.packed) and torch.equal(v4[f"{name}.scale"], q4.scale)
             assert torch.equal(v4[f"{name}.zero"], q4.zero)

@@ -62,7 +62,7 @@ class InstanceMember:
         self.device = torch.device(config.device)
         self.adopt(plan)
         self.shard = Shard(plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
-        self.checkpoint = view = MemberCheckpoint(checkpoint, self.shard, dtype)
+        self.checkpoint = view = MemberCheckpoint(checkpoint, self.shard)
         cfg = view.config
         self.group = world.group(plan.members)
         held = layers_on(plan, me)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
-from services.executor.engine.model.decoder import load_layer, slot_layout
+from services.executor.engine.model.decoder import load_layer, slot_layout, slot_views
 from services.executor.engine.morphing.variants import quantize_layer
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.fabric import step as wire
@@ -261,7 +261,7 @@ def _model_bits(member: "InstanceMember", bits: int) -> int:
 def layer_views(member: "InstanceMember", layer: int, bits: int) -> dict[str, torch.Tensor]:
     """`layer`'s tensors at `bits`, as views into its slot."""
     layout, _ = slot_layout(member.model.cfg, member.model.dtype, _model_bits(member, bits))
-    return {name: member.arena.slot_view(layer, off, shape, dtype) for name, (off, shape, dtype) in layout.items()}
+    return slot_views(member.arena, layer, layout)
 
 
 def _adopt_layer(member: "InstanceMember", layer: int, bits: int) -> None:
@@ -286,7 +286,7 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     if bits != model.full_bits:
         member.full_copies[layer] = full
     _adopt_layer(member, layer, bits)
-    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits)).items():
+    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits, model.ffn_width)).items():
         model.layers[layer][name].copy_(tensor)
     after = _slot_head(member, layer, model.layer_bits[layer])
     if after.stop < before.stop:

@@ -9,11 +9,10 @@ runs ordinary grouped attention over its own KV heads:
 - TP > KV heads: every KV head is replicated on TP / KV-heads members, which split its query heads, as vLLM
   does; that needs TP to be a multiple of the KV heads and the group to split evenly.
 
-FFN (AMOEBAs §3.2). The intermediate width is cut into PIECES equal parts (PIECES = 4 serves TP1/2/4), each
-padded with zero channels up to the arena's alignment, and a TP-k member holds PIECES/k consecutive padded
-pieces: gate/up column-split, down row-split. Zero gate/up rows give silu(0)·0 = 0 and zero down columns
-add nothing, so the padded shards sum to exactly the unpadded FFN; and since the boundaries are the same
-for every TP degree, a later merge or split (AMOEBAs) never moves a weight inside a piece.
+FFN (AMOEBAs §3.2). The decoder stores every layer's intermediate width in `ffn_pieces` zero-padded pieces
+(decoder.layer_layout), the same for every TP degree; a TP-k member holds pieces / k consecutive ones, which
+are one contiguous run of each FFN tensor of the whole layer's slot. So a member loaded at TP-k holds exactly
+what a merge to TP-k cuts in place, and a split never moves a weight inside a piece.
 
 `MemberCheckpoint` presents a checkpoint as the member sees it: a ModelConfig with its heads and FFN width,
 and tensors sliced (and padded) to match, so DecoderModel, the arena, the variant store and the swapper
@@ -21,16 +20,15 @@ work on a shard exactly as on a whole model. Which layers a member holds is the 
 checkpoint's: layer i keeps its index everywhere (DecoderModel's `held`).
 """
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from services.executor.engine.errors import ModelLoadError
-from services.executor.engine.memory.arena import ALIGN_BYTES
 from services.executor.engine.model.checkpoint import Checkpoint
+from services.executor.engine.model.decoder import ffn_piece_width
+from shared.plans import FFN_PIECES
 
-PIECES = 4
 
 
 @dataclass(frozen=True)
@@ -63,24 +61,14 @@ def even_ranges(total: int, parts: int) -> list[range]:
     return out
 
 
-def pieces_for(tp: int) -> int:
-    return math.lcm(PIECES, tp)
-
-
-def padded_piece(intermediate: int, pieces: int, itemsize: int) -> int:
-    """Channels of one padded FFN piece: the largest real piece, rounded up to the arena's alignment."""
-    multiple = max(1, ALIGN_BYTES // itemsize)
-    largest = -(-intermediate // pieces)
-    return -(-largest // multiple) * multiple
-
-
-def ffn_shard(intermediate: int, tp: int, rank: int, itemsize: int) -> tuple[list[range], int]:
+def ffn_shard(intermediate: int, tp: int, rank: int, pieces: int = FFN_PIECES) -> tuple[list[range], int]:
     """The real intermediate channels member `rank` holds (one range per piece, each followed by zero
     padding up to the piece width) and that width."""
-    pieces = pieces_for(tp)
+    if pieces % tp:
+        raise ModelLoadError("tensor parallelism", f"TP{tp} cannot split the FFN's {pieces} pieces evenly")
     per_member = pieces // tp
     real = even_ranges(intermediate, pieces)[rank * per_member:(rank + 1) * per_member]
-    return real, padded_piece(intermediate, pieces, itemsize)
+    return real, ffn_piece_width(intermediate, pieces)
 
 
 def pad_channels(w: torch.Tensor, real: list[range], width: int, dim: int) -> torch.Tensor:
@@ -107,15 +95,14 @@ class Shard:
 class MemberCheckpoint(Checkpoint):
     """`checkpoint` as `shard` sees it: its config and its slices of every tensor, read lazily."""
 
-    def __init__(self, checkpoint: Checkpoint, shard: Shard, dtype: torch.dtype):
+    def __init__(self, checkpoint: Checkpoint, shard: Shard):
         cfg = checkpoint.config
         self.base, self.shard = checkpoint, shard
-        itemsize = torch.empty((), dtype=dtype).element_size()
         if shard.tp > 1:
             self.heads = head_shards(cfg.num_heads, cfg.num_kv_heads, shard.tp)[shard.rank]
-            self.ffn_real, self.ffn_width = ffn_shard(cfg.intermediate_size, shard.tp, shard.rank, itemsize)
+            self.ffn_real, self.ffn_width = ffn_shard(cfg.intermediate_size, shard.tp, shard.rank, cfg.ffn_pieces)
             local = replace(cfg, num_heads=len(self.heads.q), num_kv_heads=len(self.heads.kv),
-                            intermediate_size=self.ffn_width * len(self.ffn_real))
+                            intermediate_size=self.ffn_width * len(self.ffn_real), ffn_pieces=len(self.ffn_real))
         else:
             self.heads = None
             local = cfg

@@ -50,7 +50,7 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.tools.evaluate import (
     DEFAULT_CORPUS, DEFAULT_PROFILE, SimulatedQuantization, load_tokens, require_full_precision,
 )
-from services.executor.engine.model.decoder import DecoderModel, rms_norm, rotate
+from services.executor.engine.model.decoder import DecoderModel, mlp, rms_norm, rotate
 from shared.config import EngineConfig, parse_size
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ def decoder_layer(model: DecoderModel, index: int, x: torch.Tensor, cos: torch.T
     attn = prefill_attention(q, k, v, model.arena.kv_cache, index, no_pages, 0, model.scale)
     x = x + F.linear(attn.reshape(n, cfg.q_size), w["o_proj"])
     h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-    gate, up = F.linear(h, w["gate_up_proj"]).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w["down_proj"])
+    return x + mlp(h, w, model.full_bits, model.ffn_width)
 
 
 def logits(model: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from shared.plans import FFN_PIECES
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -28,6 +30,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
+    # The FFN's intermediate width is stored in this many zero-padded pieces (decoder.layer_layout), the
+    # finest tensor-parallel cut there is; a member of a TP-k instance holds pieces / k of them.
+    ffn_pieces: int = FFN_PIECES
 
     @property
     def q_size(self) -> int:

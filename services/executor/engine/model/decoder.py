@@ -1,7 +1,15 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a packed batch of tokens.
 
 Decoder-layer weights are views into the layer's arena slot, laid out by `layer_layout`; q/k/v and
-gate/up are fused so that each step does one matmul where the checkpoint has two or three. The batch is
+gate/up are fused so that each step does one matmul where the checkpoint has two or three.
+
+The FFN is stored so that a tensor-parallel shard of it is a contiguous run of bytes in every tensor
+(AMOEBAs §3.2: a merge cuts it in place and frees the rest of the slot). Its intermediate width is cut
+into `cfg.ffn_pieces` equal pieces, each zero-padded to `ffn_piece_width` channels; gate_up holds, piece
+after piece, that piece's gate rows then its up rows, and down_proj is stored input-major (transposed),
+so a piece's input channels are consecutive rows. The views a layer hands out are the logical `[out, in]`
+tensors whatever the storage (`slot_views`), so every matmul, quantizer and evaluator sees one shape.
+Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result. The batch is
 flat: single-token decodes first (paged decode attention over their block tables, in groups of similar
 context length), then prefill chunks
 (attention over the chunk and the context already in cache). Only rows that sample get logits.
@@ -26,15 +34,24 @@ from services.executor.engine.model.config import ModelConfig
 from services.executor.engine.morphing.quant import int4_group
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+INPUT_MAJOR = "down_proj"  # its 2-D tensors (weight, INT8/INT4 codes, INT4 scales and zeros) are stored transposed
+PIECE_MULTIPLE = 32  # channels: a piece holds whole INT4 groups (int4_group of the piece width) and bytes
+
+
+def ffn_piece_width(intermediate: int, pieces: int) -> int:
+    """Channels of one padded FFN piece: the largest real piece, rounded up to PIECE_MULTIPLE."""
+    largest = -(-intermediate // pieces)
+    return -(-largest // PIECE_MULTIPLE) * PIECE_MULTIPLE
 
 
 def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
-    """Byte offset and shape of each tensor in a layer slot, and the slot's size in bytes."""
+    """Byte offset and logical shape of each tensor in a layer slot, and the slot's size in bytes."""
+    ffn = cfg.ffn_pieces * ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     shapes = {
         "qkv_proj": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
         "o_proj": (cfg.hidden_size, cfg.q_size),
-        "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
-        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "gate_up_proj": (2 * ffn, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, ffn),
         "input_norm": (cfg.hidden_size,),
         "post_attn_norm": (cfg.hidden_size,),
     }
@@ -54,12 +71,13 @@ def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
     start of its slot, and the variant's size in bytes. Norms and biases stay in the serving dtype."""
     fp, _ = layer_layout(cfg, dtype)
     tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     for name in LINEARS:
         out, inp = fp[name][1]
         if bits == 8:
             tensors += [(f"{name}.q", (out, inp), torch.int8), (f"{name}.scale", (out,), dtype)]
         elif bits == 4:
-            groups = inp // int4_group(inp)
+            groups = inp // int4_group(width if name == "down_proj" else inp)  # groups never straddle pieces
             tensors += [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.scale", (out, groups), dtype),
                         (f"{name}.zero", (out, groups), dtype)]
         else:
@@ -82,15 +100,44 @@ def slot_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
     return variant_layout(cfg, dtype, bits)
 
 
+def slot_views(arena: Arena, layer: int, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The logical tensors of `layout` (layer_layout's or variant_layout's) as views into `layer`'s slot."""
+    views = {}
+    for name, (offset, shape, *dtype) in layout.items():
+        dtype = dtype[0] if dtype else arena.geometry.dtype
+        if name.startswith(INPUT_MAJOR) and len(shape) == 2:
+            views[name] = arena.slot_view(layer, offset, shape[::-1], dtype).t()
+        else:
+            views[name] = arena.slot_view(layer, offset, shape, dtype)
+    return views
+
+
+def pad_pieces(w: torch.Tensor, pieces: int, width: int, dim: int) -> torch.Tensor:
+    """`w` with its `dim` cut into `pieces` even parts (the larger first), each zero-padded to `width`:
+    [pieces, width, ...] along dim 0, [..., pieces, width] along dim 1."""
+    base, extra = divmod(w.shape[dim], pieces)
+    parts, start = [], 0
+    for i in range(pieces):
+        size = base + (1 if i < extra else 0)
+        pad = list(w.shape)
+        pad[dim] = width - size
+        parts.append(torch.cat([w.narrow(dim, start, size), w.new_zeros(pad)], dim=dim))
+        start += size
+    return torch.stack(parts, dim=dim if dim == 0 else 1)
+
+
 def load_layer(views: dict[str, torch.Tensor], checkpoint: Checkpoint, layer: int) -> None:
     """Copy decoder layer `layer`'s full-precision weights from `checkpoint` into `views` (layer_layout's)."""
     def get(name: str) -> torch.Tensor:
         return checkpoint.get(f"layers.{layer}.{name}")
 
+    cfg = checkpoint.config
+    pieces, width = cfg.ffn_pieces, ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
     views["o_proj"].copy_(get("o_proj"))
-    views["gate_up_proj"].copy_(torch.cat([get("gate_proj"), get("up_proj")]))
-    views["down_proj"].copy_(get("down_proj"))
+    gate, up = (pad_pieces(get(name), pieces, width, 0) for name in ("gate_proj", "up_proj"))
+    views["gate_up_proj"].copy_(torch.stack([gate, up], dim=1).reshape(views["gate_up_proj"].shape))
+    views["down_proj"].copy_(pad_pieces(get("down_proj"), pieces, width, 1).reshape(views["down_proj"].shape))
     views["input_norm"].copy_(get("input_norm"))
     views["post_attn_norm"].copy_(get("post_attn_norm"))
     if "qkv_bias" in views:
@@ -133,6 +180,13 @@ def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | 
         return w4a16_linear(x, q, w[f"{name}.scale"], w[f"{name}.zero"], q.shape[1] * 2 // w[f"{name}.scale"].shape[1],
                             bias)
     return F.linear(x, w[name], bias)
+
+
+def mlp(h: torch.Tensor, w: dict, bits: int, width: int) -> torch.Tensor:
+    """down(silu(gate(h)) · up(h)) over the FFN pieces `w` holds (all of them, or a shard's)."""
+    gate_up = linear(h, w, "gate_up_proj", bits).unflatten(-1, (-1, 2, width))
+    act = F.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    return linear(act.flatten(-2), w, "down_proj", bits)
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -189,8 +243,9 @@ class DecoderModel:
         self.layer_ready: list = [None] * cfg.num_layers  # CUDA event of a swap still copying into the slot
         self.layers: list[dict[str, torch.Tensor] | None] = [None] * cfg.num_layers
         held = range(cfg.num_layers) if held is None else sorted(held)
+        self.ffn_width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
         for i in tqdm(held, desc="loading layers", unit="layer", disable=not progress):
-            views = {name: arena.slot_view(i, off, shape, dtype) for name, (off, shape) in layout.items()}
+            views = slot_views(arena, i, layout)
             load_layer(views, checkpoint, i)
             self.layers[i] = views
         self.embed_tokens = checkpoint.get("embed_tokens").to(device=device, dtype=dtype)
@@ -239,8 +294,7 @@ class DecoderModel:
             attn = torch.cat(parts) if len(parts) > 1 else parts[0]
             x = x + self.reduce(linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits))
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-            gate, up = linear(h, w, "gate_up_proj", bits).chunk(2, dim=-1)
-            x = x + self.reduce(linear(F.silu(gate) * up, w, "down_proj", bits))
+            x = x + self.reduce(mlp(h, w, bits, self.ffn_width))
         return x
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel, slot_layout
+from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
 from services.executor.engine.morphing.variants import VariantStore
 from services.executor.engine.scheduling.scheduler import Scheduler
 
@@ -134,8 +134,7 @@ class LayerSwapper:
             source, views = self.store.full(layer), self._fp_views[layer]
         else:
             source = self.store.get(layer, bits)
-            views = {name: self.arena.slot_view(layer, off, shape, dtype)
-                     for name, (off, shape, dtype) in self._layouts[bits].items()}
+            views = slot_views(self.arena, layer, self._layouts[bits])
         if self._side is None:
             for name, tensor in source.items():
                 views[name].copy_(tensor)

@@ -36,11 +36,12 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
-from services.executor.engine.model.decoder import LINEARS, DecoderModel, layer_layout, rotate, variant_layout
+from services.executor.engine.model.decoder import LINEARS, DecoderModel, layer_layout, mlp, rotate, variant_layout
 from services.executor.engine.morphing.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
 from shared.config import data_dir
 
-FORMAT_VERSION = 2  # 2: AWQ scales INT4 only. Bump when what a cache directory holds changes meaning
+# Bump when what a cache directory holds changes meaning. 2: AWQ scales INT4 only; 3: the FFN in padded pieces.
+FORMAT_VERSION = 3
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/variants")
 DEFAULT_CORPUS = data_dir() / "corpora" / "wikitext-2-test.txt"
 AWQ_ALPHA = 0.5
@@ -91,8 +92,7 @@ def trace_linear_inputs(model: DecoderModel, windows: list[list[int]],
             x = x + F.linear(attn.reshape(n, cfg.q_size), w["o_proj"])
             xhat = _unit_rms(x, cfg.rms_norm_eps)
             visit(i, "gate_up_proj", xhat, w["post_attn_norm"])
-            gate, up = F.linear(w["post_attn_norm"] * xhat, w["gate_up_proj"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down_proj"])
+            x = x + mlp(w["post_attn_norm"] * xhat, w, model.full_bits, model.ffn_width)
 
 
 def awq_scales(model: DecoderModel, windows: list[list[int]], alpha: float = AWQ_ALPHA
@@ -113,10 +113,11 @@ def awq_scales(model: DecoderModel, windows: list[list[int]], alpha: float = AWQ
     return scales
 
 
-def quantize_layer(fp: dict[str, torch.Tensor], bits: int, scales: dict[str, torch.Tensor] | None = None
-                   ) -> dict[str, torch.Tensor]:
+def quantize_layer(fp: dict[str, torch.Tensor], bits: int, ffn_width: int,
+                   scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A layer's `bits`-bit variant under variant_layout's names. Without `scales` every linear is exactly
-    quant.py's quantization of the full-precision weight; with them, see the module docstring."""
+    quant.py's quantization of the full-precision weight; with them, see the module docstring. down_proj's
+    INT4 groups divide the FFN piece width `ffn_width`, so that a tensor-parallel cut keeps whole groups."""
     scales = scales or {}
     variant = {}
     for name in LINEARS:
@@ -125,7 +126,7 @@ def quantize_layer(fp: dict[str, torch.Tensor], bits: int, scales: dict[str, tor
             q8 = quantize_int8(w)
             variant |= {f"{name}.q": q8.qweight, f"{name}.scale": q8.scale.to(fp[name].dtype)}
         elif bits == 4:
-            q4 = quantize_int4(w, int4_group(w.shape[1]))
+            q4 = quantize_int4(w, int4_group(ffn_width if name == "down_proj" else w.shape[1]))
             variant |= {f"{name}.q": q4.packed, f"{name}.scale": q4.scale.to(fp[name].dtype),
                         f"{name}.zero": q4.zero.to(fp[name].dtype)}
         else:
@@ -245,8 +246,8 @@ class VariantStore:
             for layer in tqdm(held, desc="building layer variants", unit="layer", disable=not progress):
                 fp = {name: view.clone() for name, view in model.layers[layer].items()}
                 # AWQ pays off at 4 bits only: at 8 it made gate_up_proj worse (docs/benchmarks.md)
-                entries = {self.full_bits: fp} | {b: quantize_layer(fp, b, scales[layer] if b == 4 else None)
-                                                  for b in self.bits}
+                entries = {self.full_bits: fp} | {
+                    b: quantize_layer(fp, b, model.ffn_width, scales[layer] if b == 4 else None) for b in self.bits}
                 self.counters["quantized"] += 1
                 for kind, tensors in entries.items():
                     if tmp is not None:

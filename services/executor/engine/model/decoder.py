@@ -203,7 +203,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class PrefillChunk:
     row: int  # first row of the chunk in the packed batch
     length: int
-    block_table: torch.Tensor  # int32 pages of the sequence
+    block_table: torch.Tensor  # int32 pages of the sequence ([blocks, local KV heads] of head units)
     context_start: int  # tokens of the sequence already in cache before the chunk
 
 
@@ -212,7 +212,7 @@ class DecodeGroup:
     """Single-token decodes of similar context length, attended together (padding stays small)."""
     row: int
     length: int
-    block_tables: torch.Tensor  # [length, max_blocks] int32
+    block_tables: torch.Tensor  # [length, max_blocks] int32 (head units: [..., local KV heads])
     context_lens: torch.Tensor  # [length] int32, including the token itself
 
 
@@ -220,7 +220,7 @@ class DecodeGroup:
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
-    slot_mapping: torch.Tensor  # [N] int64, page * block_size + offset
+    slot_mapping: torch.Tensor  # [N] int64, page * block_size + offset (head units: [N, local KV heads])
     decodes: list[DecodeGroup]  # cover rows [0, number of decodes)
     prefills: list[PrefillChunk]  # follow the decodes
     logits_rows: torch.Tensor  # [S] int64 rows whose next token is sampled
@@ -244,6 +244,7 @@ class DecoderModel:
         self.layers: list[dict[str, torch.Tensor] | None] = [None] * cfg.num_layers
         held = range(cfg.num_layers) if held is None else sorted(held)
         self.ffn_width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
+        self.kv_units: torch.Tensor | None = None  # the arena's KV by head unit, once use_head_units says so
         for i in tqdm(held, desc="loading layers", unit="layer", disable=not progress):
             views = slot_views(arena, i, layout)
             load_layer(views, checkpoint, i)
@@ -284,18 +285,40 @@ class DecoderModel:
             q = rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(k, v, kv_cache, index, batch.slot_mapping)
-            parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, g.block_tables,
-                                            g.context_lens, self.scale) for g in batch.decodes]
-            for p in batch.prefills:
-                rows = slice(p.row, p.row + p.length)
-                parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
-                                               p.context_start, self.scale))
-            attn = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if self.kv_units is None:
+                attn = self._attention(q, k, v, kv_cache, index, batch)
+            else:
+                group = cfg.num_heads // cfg.num_kv_heads
+                attn = torch.cat([self._attention(q[:, j * group:(j + 1) * group], k[:, j:j + 1], v[:, j:j + 1],
+                                                  self.kv_units, index, batch, j) for j in range(cfg.num_kv_heads)],
+                                 dim=1)
             x = x + self.reduce(linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits))
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
             x = x + self.reduce(mlp(h, w, bits, self.ffn_width))
         return x
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, index: int,
+                   batch: ForwardBatch, head: int | None = None) -> torch.Tensor:
+        """Write the rows' K and V at their slots and attend; with `head`, the batch's slots and tables have a
+        trailing dimension over the local KV heads (head units: `kv_units`) and `head` picks one."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if head is None else t[..., head].contiguous()
+
+        write_kv(k, v, kv_cache, index, pick(batch.slot_mapping))
+        parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, pick(g.block_tables),
+                                        g.context_lens, self.scale) for g in batch.decodes]
+        for p in batch.prefills:
+            rows = slice(p.row, p.row + p.length)
+            parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, pick(p.block_table),
+                                           p.context_start, self.scale))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def use_head_units(self, on: bool) -> None:
+        """Address KV by head unit (one KV head of one block; a page holds one per KV head of its layout) from
+        now on, or by page again. A member of a merged TP instance keeps some heads of its pages and fills the
+        units others left (fabric/kv_heads.py); its batches then name a unit per local KV head."""
+        kv = self.arena.kv_cache
+        self.kv_units = kv.view(kv.shape[0] * kv.shape[1], 1, *kv.shape[2:]) if on else None
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x[rows], self.norm, self.cfg.rms_norm_eps), self.lm_head).float()

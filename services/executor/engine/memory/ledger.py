@@ -163,6 +163,10 @@ class PageLedger:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_pages(self) -> list[int]:
+        """The free KV pages, ascending."""
+        return sorted(self._free)
+
     def snapshot(self) -> LedgerSnapshot:
         free = len(self._free)
         kv_pages = self.num_present - self._slot_pages

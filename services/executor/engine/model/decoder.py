@@ -245,6 +245,8 @@ class DecoderModel:
         held = range(cfg.num_layers) if held is None else sorted(held)
         self.ffn_width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
         self.kv_units: torch.Tensor | None = None  # the arena's KV by head unit, once use_head_units says so
+        # (global query heads, global KV heads) a merged TP member computes out of whole attention weights
+        self.heads: tuple[range, range] | None = None
         for i in tqdm(held, desc="loading layers", unit="layer", disable=not progress):
             views = slot_views(arena, i, layout)
             load_layer(views, checkpoint, i)
@@ -280,22 +282,42 @@ class DecoderModel:
                 torch.cuda.current_stream().wait_event(self.layer_ready[index])
                 self.layer_ready[index] = None
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            qkv = linear(h, w, "qkv_proj", bits, w.get("qkv_bias"))
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = self._heads(linear(h, w, "qkv_proj", bits, w.get("qkv_bias")))
+            q, k, v = rotate(q, cos, sin), rotate(k, cos, sin), v
             if self.kv_units is None:
                 attn = self._attention(q, k, v, kv_cache, index, batch)
             else:
-                group = cfg.num_heads // cfg.num_kv_heads
+                group = q.shape[1] // k.shape[1]
                 attn = torch.cat([self._attention(q[:, j * group:(j + 1) * group], k[:, j:j + 1], v[:, j:j + 1],
-                                                  self.kv_units, index, batch, j) for j in range(cfg.num_kv_heads)],
+                                                  self.kv_units, index, batch, j) for j in range(k.shape[1])],
                                  dim=1)
-            x = x + self.reduce(linear(attn.reshape(n, cfg.q_size), w, "o_proj", bits))
+            x = x + self.reduce(linear(self._o_input(attn.reshape(n, -1)), w, "o_proj", bits))
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
             x = x + self.reduce(mlp(h, w, bits, self.ffn_width))
         return x
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v `[rows, heads, head_dim]` of the heads this model computes: all of its config's, or, in a
+        merged TP member (`heads`), its share of the whole layer's."""
+        cfg, n, hd = self.cfg, qkv.shape[0], self.cfg.head_dim
+        if self.heads is None:
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            return (q.view(n, cfg.num_heads, hd), k.view(n, cfg.num_kv_heads, hd), v.view(n, cfg.num_kv_heads, hd))
+        qh, kvh = self.heads
+        k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
+        return (qkv[:, qh.start * hd:qh.stop * hd].reshape(n, len(qh), hd),
+                qkv[:, k0 + kvh.start * hd:k0 + kvh.stop * hd].reshape(n, len(kvh), hd),
+                qkv[:, v0 + kvh.start * hd:v0 + kvh.stop * hd].reshape(n, len(kvh), hd))
+
+    def _o_input(self, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj's input: the attention output, in a merged TP member placed among zeros for the other
+        members' heads, so that the whole o_proj (at any bits) gives this member's part of the sum."""
+        if self.heads is None:
+            return attn
+        hd, qh = self.cfg.head_dim, self.heads[0]
+        full = attn.new_zeros(attn.shape[0], self.cfg.q_size)
+        full[:, qh.start * hd:qh.stop * hd] = attn
+        return full
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, index: int,
                    batch: ForwardBatch, head: int | None = None) -> torch.Tensor:

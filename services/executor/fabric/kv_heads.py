@@ -128,17 +128,22 @@ def plan_split(heads_per_page: int, member_heads: list[range], units: list[dict[
     for r in range(len(units)):
         own = {block: dict(zip(member_heads[r], units[r][block])) for block in units[r] if target[block] == r}
         arriving = sorted((b for b in target if target[b] == r), key=str)
-        fresh = []
+        homeless = [b for b in arriving if home.get(b, (None,))[0] != r or home[b][1] in reserved[r]]
+        fresh = list(homeless)
+        # The runtime reads every source before it writes anything, so the units of blocks that take a fresh
+        # page may be reused at once, by a block going back home among them.
+        for block in homeless:
+            pools[r].free.update(own[block].values())
         for block in arriving:
-            member, page = home.get(block, (None, None))
-            if (member == r and page not in reserved[r]
-                    and all(own[block].get(i, page * h + i) == page * h + i for i in range(h))
+            if block in homeless:
+                continue
+            page = home[block][1]
+            if (all(own[block].get(i, page * h + i) == page * h + i for i in range(h))
                     and all(page * h + i in pools[r].free for i in range(h) if i not in own[block])):
                 pools[r].free.difference_update(page * h + i for i in range(h))
                 pages[r][block] = page
             else:
                 fresh.append(block)
-                # The runtime reads every source before it writes anything, so these may be reused at once.
                 pools[r].free.update(own[block].values())
         whole = pools[r].whole_pages(avoid=reserved[r])
         if len(fresh) > len(whole):

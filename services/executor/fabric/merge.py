@@ -1,21 +1,27 @@
-"""A whole model becomes one member of a merged TP-k instance, in place (AMOEBAs §3.1-3.2, FFN first):
-every held layer's FFN is cut to the member's pieces and the slot pages it no longer touches become KV
-pages; attention computes the member's heads out of the whole (duplicated) attention weights; KV is
-addressed by head unit, so that the units other members' heads leave are reused as they stand; and the
-member's partial o_proj and down_proj outputs are summed over the instance by `reduce`.
+"""A whole model becomes one member of a merged TP-k instance in place, and a whole model again (AMOEBAs
+§3.1-3.2).
 
-The KV itself moves by fabric/kv_heads.py's plan, after this: the pages freed here are part of what it
-places the other members' heads in.
+Merging, FFN first: every held layer's FFN is cut to the member's pieces and the slot pages it no longer
+touches become KV pages; attention computes the member's heads out of the whole (duplicated) attention
+weights; KV is addressed by head unit, so that the units other members' heads leave are reused as they
+stand; and the member's partial o_proj and down_proj outputs are summed over the instance by `reduce`. The
+KV then moves by fabric/kv_heads.py's plan: the pages freed here are part of where it puts the other
+members' heads.
+
+Splitting, KV first (kv_heads.plan_split, with the pages the cut freed reserved): then every layer's slot
+takes those pages back and the pieces it dropped are refilled from the host variants at the layer's bits.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel
-from services.executor.fabric.ffn_cut import cut_layer, piece_range
-from services.executor.fabric.shards import head_shards
+from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
+from services.executor.engine.morphing.variants import VariantStore
+from services.executor.fabric.ffn_cut import cut_layer, piece_range, shard_views
+from services.executor.fabric.shards import HeadShard, head_shards
 
 
 def runs(pages: list[int]) -> list[range]:
@@ -29,11 +35,20 @@ def runs(pages: list[int]) -> list[range]:
     return out
 
 
-def become_member(model: DecoderModel, arena: Arena, tp: int, rank: int,
-                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """Make `model` (which holds whole layers) compute as member `rank` of a TP-`tp` instance. Returns the
-    slot pages freed per layer, the pages that a kept and a dropped piece share (kept), and the member's
-    heads."""
+@dataclass(frozen=True)
+class Membership:
+    heads: HeadShard  # the global heads the member computes
+    kept: range  # the FFN pieces it keeps
+    freed: dict[int, list[int]]  # layer -> the slot pages its cut turned into KV pages
+    boundary_pages: int  # pages a kept and a dropped piece share (kept)
+    reduce_before: Callable[[torch.Tensor], torch.Tensor]
+
+
+def become_member(model: DecoderModel, arena: Arena, store: VariantStore, tp: int, rank: int,
+                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> Membership:
+    """Make `model` (which holds whole layers) compute as member `rank` of a TP-`tp` instance. `store` holds
+    the layers' host variants the split refills from: built now if it is not yet, from the whole layers."""
+    store.prepare(progress=False)
     cfg = model.cfg
     kept = piece_range(cfg.ffn_pieces, tp, rank)
     heads = head_shards(cfg.num_heads, cfg.num_kv_heads, tp)[rank]
@@ -51,7 +66,36 @@ def become_member(model: DecoderModel, arena: Arena, tp: int, rank: int,
         for run in runs(pages):
             arena.ledger.release_slot_pages(layer, run)
         freed[layer], boundary = pages, boundary + cut.boundary_pages
+    membership = Membership(heads, kept, freed, boundary, model.reduce)
     model.heads = (heads.q, heads.kv)
     model.reduce = reduce
     model.use_head_units(True)
-    return {"freed": freed, "boundary_pages": boundary, "heads": heads}
+    return membership
+
+
+def become_whole(model: DecoderModel, arena: Arena, store: VariantStore, membership: Membership) -> int:
+    """Undo become_member once the KV is back in whole pages and out of the pages the cut freed: each layer's
+    slot takes them back and the pieces it dropped are written from `store` at the layer's bits. Returns the
+    bytes written."""
+    cfg, written = model.cfg, 0
+    for layer, pages in membership.freed.items():
+        for run in runs(pages):
+            arena.ledger.assign_slot(layer, run)
+        bits = model.layer_bits[layer]
+        layout, _ = slot_layout(cfg, model.dtype, bits)
+        views = slot_views(arena, layer, layout)
+        source = store.full(layer) if bits == model.full_bits else store.get(layer, bits)
+        for piece in range(cfg.ffn_pieces):
+            if piece in membership.kept:
+                continue
+            into = shard_views(views, cfg.ffn_pieces, range(piece, piece + 1))
+            src = shard_views(source, cfg.ffn_pieces, range(piece, piece + 1))
+            for name, view in into.items():
+                if view.shape != views[name].shape:  # a piece of an FFN tensor (the rest was never cut)
+                    view.copy_(src[name])
+                    written += view.numel() * view.element_size()
+        model.layers[layer] = views
+    model.heads = None
+    model.reduce = membership.reduce_before
+    model.use_head_units(False)
+    return written

@@ -118,6 +118,14 @@ class PageLedger:
                 return p
         raise LedgerError("no free KV page")
 
+    def claim(self, page: int) -> None:
+        """Take the free KV page `page` (refcount 1): a transformation that chose where its KV goes."""
+        self._check_page(page)
+        if page not in self._free:
+            raise LedgerError(f"page {page} is not a free KV page")
+        self._free.discard(page)  # its stale heap entry is skipped by allocate
+        self._refcount[page] = 1
+
     def allocate_outside(self, avoid: Container[int]) -> int:
         """Take one free KV page that is not in `avoid` (where KV must move out of, not into)."""
         skipped = []

@@ -1,0 +1,169 @@
+"""AMOEBAs' transformation-aware scheduler (§3.3) and the paper's two baselines, as pure functions over what
+the cluster state says of each instance.
+
+A new request goes to the least-loaded instance that can hold it; when consecutive requests are long, those
+already at a higher TP degree come first (fewer transformations). When none can hold it, the two
+least-loaded instances of one TP degree merge (a step of x2: TP1 -> TP2 -> TP4) and the request waits for
+the merge: at the lowest degree whose merge holds it, else at the highest degree that can merge at all, so
+that the next decision can step again. A request is refused only when no instance the cluster could form
+holds it. Once a merged instance runs nothing that needs it merged, it takes no new requests until its KV
+is `free_fraction` free, then splits.
+
+The baselines (the paper's Fig. 12) pick an instance round-robin or least-loaded first, whatever its degree;
+when it cannot hold the request, it merges with the least-loaded instance of its degree beside it.
+
+Capacity is counted in KV blocks. A member of a TP-k instance stores, per block, one head unit for each KV
+head it holds (fabric/kv_heads.py); `Member.kv_units[k]` is how many units it has outside the slots a TP-k
+cut leaves, so the instance holds min over members of units // heads of blocks.
+"""
+
+import math
+from collections.abc import Callable
+import itertools
+from dataclasses import dataclass
+
+MAX_TP = 4  # the FFN's pieces (shared.plans.FFN_PIECES): merges step TP1 -> TP2 -> TP4
+
+
+@dataclass(frozen=True)
+class Member:
+    executor: str
+    kv_units: dict[int, int]  # TP degree -> KV head units it would have as a member of an instance that wide
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: str
+    tp: int
+    members: tuple[Member, ...]  # in rank order
+    kv_heads: int  # the model's
+    block_size: int
+    blocks_free: int
+    blocks_used: int
+    load: int  # requests running and waiting
+    longest: int = 0  # blocks of the longest sequence it runs
+    accepting: bool = True  # False while it drains towards a split
+
+
+@dataclass(frozen=True)
+class Route:
+    instance: str
+
+
+@dataclass(frozen=True)
+class Merge:
+    instances: tuple[str, ...]  # merged in this order (the first leads)
+    tp: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    reason: str
+
+
+Decision = Route | Merge | Refuse
+
+
+def heads_per_rank(kv_heads: int, tp: int) -> list[int]:
+    """KV heads each rank of a TP-`tp` instance stores a unit of, per block (fabric/shards.head_shards)."""
+    if tp > kv_heads:
+        return [1] * tp  # replicated KV heads
+    base, extra = divmod(kv_heads, tp)
+    return [base + (1 if r < extra else 0) for r in range(tp)]
+
+
+def capacity(members: tuple[Member, ...], kv_heads: int) -> int:
+    """KV blocks an instance of `members` holds at TP len(members) (at TP1, its one member's)."""
+    tp = len(members)
+    return min(m.kv_units.get(tp, 0) // n for m, n in zip(members, heads_per_rank(kv_heads, tp)))
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+@dataclass
+class SchedulerState:
+    next_rr: int = 0  # round-robin's next instance
+
+
+def decide(tokens: int, instances: list[Instance], strategy: str = "amoebas",
+           allowed: Callable[[tuple[str, ...]], bool] = lambda members: True,
+           state: SchedulerState | None = None) -> Decision:
+    """Where a request of `tokens` (prompt plus output) goes, or which instances merge for it first.
+    `allowed(members)`: whether those executors can form one instance (the world's groups)."""
+    if not instances:
+        return Refuse("no instance serves the model")
+    state = state or SchedulerState()
+    need = blocks_for(tokens, instances[0].block_size)
+    open_ = [i for i in instances if i.accepting]
+    fits = [i for i in open_ if i.blocks_free >= need]
+    if strategy not in ("amoebas", "rr", "llf"):
+        raise ValueError(f"unknown scheduling strategy {strategy!r}: amoebas, rr or llf")
+    if strategy == "amoebas" and fits:
+        long_ = need > max((capacity(i.members, i.kv_heads) for i in instances if i.tp == 1), default=0)
+        return Route(min(fits, key=lambda i: (-i.tp if long_ else 0, i.load, -i.blocks_free, i.id)).id)
+    if not _reachable(need, instances, allowed):
+        return Refuse(f"a request of {tokens} tokens needs {need} KV blocks; no instance this cluster can form "
+                      f"holds that many")
+    if not open_:
+        return Refuse("every instance is draining towards a split; try again")
+    if strategy == "amoebas":
+        return _merge_for(need, open_, allowed) or Refuse("no two instances can merge now; try again")
+    if strategy == "rr":
+        chosen = open_[state.next_rr % len(open_)]
+        state.next_rr += 1
+    else:
+        chosen = min(open_, key=lambda i: (i.load, -i.blocks_free, i.id))
+    if chosen.blocks_free >= need:
+        return Route(chosen.id)
+    peers = sorted((i for i in open_ if i.tp == chosen.tp and i.id != chosen.id
+                    and allowed(_members(chosen, i))), key=lambda i: (i.load, i.id))
+    if chosen.tp < MAX_TP and peers:
+        return Merge((chosen.id, peers[0].id), chosen.tp * 2)
+    return _merge_for(need, open_, allowed) or Refuse("no two instances can merge now; try again")
+
+
+def _members(*instances: Instance) -> tuple[str, ...]:
+    return tuple(m.executor for i in instances for m in i.members)
+
+
+def _merge_for(need: int, open_: list[Instance], allowed) -> Merge | None:
+    """The least-loaded pair of one degree whose merge holds `need` more blocks, at the lowest such degree;
+    else a pair at the highest degree that can merge (a step towards one that holds it)."""
+    best_step = None
+    for tp in sorted({i.tp for i in open_ if i.tp < MAX_TP}):
+        same = sorted((i for i in open_ if i.tp == tp), key=lambda i: (i.load, i.id))
+        pairs = [(a, b) for x, a in enumerate(same) for b in same[x + 1:] if allowed(_members(a, b))]
+        for a, b in pairs:
+            members = a.members + b.members
+            room = capacity(members, a.kv_heads) - a.blocks_used - b.blocks_used
+            if room >= need:
+                return Merge((a.id, b.id), tp * 2)
+        if pairs:
+            best_step = Merge((pairs[0][0].id, pairs[0][1].id), tp * 2)
+    return best_step
+
+
+def _reachable(need: int, instances: list[Instance], allowed) -> bool:
+    """Whether some instance the cluster could form (its instances merged, up to MAX_TP executors) holds
+    `need` blocks beside what its parts run now."""
+    for size in range(1, len(instances) + 1):
+        for group in itertools.combinations(instances, size):
+            members = tuple(m for i in group for m in i.members)
+            if len(members) in (1, 2, 4) and (size == 1 or allowed(_members(*group))):
+                if capacity(members, group[0].kv_heads) - sum(i.blocks_used for i in group) >= need:
+                    return True
+    return False
+
+
+def split_due(instance: Instance, free_fraction: float = 0.5) -> str | None:
+    """For a merged instance: "drain" once nothing it runs needs it merged (its longest sequence would fit
+    each member's own TP1 instance), "split" once it is also `free_fraction` free; else None."""
+    if instance.tp == 1:
+        return None
+    alone = min(capacity((m,), instance.kv_heads) for m in instance.members)
+    if instance.longest > alone:
+        return None
+    total = instance.blocks_free + instance.blocks_used
+    return "split" if total and instance.blocks_free >= free_fraction * total else "drain"

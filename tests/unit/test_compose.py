@@ -77,6 +77,15 @@ def test_the_fault_bounds_are_settable_from_the_environment(compose):
     assert any("--bus-outage ${MORPHLING_BUS_OUTAGE" in c for n, c in commands.items() if n.startswith("executor"))
 
 
+def test_the_slos_and_the_controllers_levers_are_settable_from_the_environment(compose):
+    commands = {name: " ".join(s.get("command", [])) for name, s in compose["services"].items()}
+    for flag, var in [("--slo-ttft", "MORPHLING_SLO_TTFT"), ("--slo-tpot", "MORPHLING_SLO_TPOT"),
+                      ("--slo-window", "MORPHLING_SLO_WINDOW")]:
+        assert f"{flag} ${{{var}:-" in commands["monitor"]
+    assert "--mode ${MORPHLING_MODE:-default}" in commands["controller"]
+    assert "--cocoserve ${MORPHLING_COCOSERVE:-off}" in commands["controller"]
+
+
 def test_nats_config_has_a_user_per_service(compose, nats_conf):
     users = re.findall(r"^\s*user:\s*(\w+)", nats_conf, re.MULTILINE)
     assert set(SERVICE_USERS) <= set(users)

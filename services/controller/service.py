@@ -24,7 +24,7 @@ import logging
 import sys
 
 from services.controller.loop import Controller
-from services.controller.policies import cocoserve, ladder
+from services.controller.policies import cocoserve_algorithms, ladder
 from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig, read_swap_order
@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one morph setting of the mode's preset, e.g. kv_high=0.85 (repeatable)")
     coco = parser.add_argument_group("CoCoServe (instances of several executors)")
-    coco.add_argument("--cocoserve", default=defaults.cocoserve_mode, choices=cocoserve.MODES,
+    coco.add_argument("--cocoserve", default=defaults.cocoserve_mode, choices=cocoserve_algorithms.MODES,
                       help="scale-down: migrate, evict, cut the batch under SLO violations and step back after; "
                            "default: also replicate layers onto idle members; off: neither (default %(default)s)")
     coco.add_argument("--speedup", metavar="PATH", default=defaults.speedup_profile,
                       help="the speed-up model's costs, as `morphling profile --speedup` writes them; default: "
                            "the built-in profile of the default model on a CPU")
-    coco_defaults = cocoserve.CocoSettings()
+    coco_defaults = cocoserve_algorithms.CocoSettings()
     for flag, key, kind, what in (
             ("--t-up", "t_up", float, "vacancy (min of memory and compute) above which a member takes replicas"),
             ("--t-down", "t_down", float, "SLO violation rate above which the instance scales down"),
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         coco_overrides |= {key: getattr(args, key) for key in ("t_up", "t_down", "delta_bs", "enter_windows",
                                                                "leave_windows", "up_windows", "min_dwell_s")
                            if getattr(args, key) is not None}
-        cocoserve.settings_for_mode(args.cocoserve, **coco_overrides)
+        cocoserve_algorithms.settings_for_mode(args.cocoserve, **coco_overrides)
         profile = SpeedupProfile.load(args.speedup) if args.speedup else None
     except (ValueError, TypeError) as exc:  # SpeedupProfileError among them
         parser.error(str(exc))

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from services.controller.loop import Controller
 from services.controller.policies import cocoserve
-from services.controller.policies.cocoserve import (CocoMemory, CocoSettings, plan, scale_up,
-                                                    settings_for_mode, sort_candidates_by_continuity)
+from services.controller.policies.cocoserve import CocoMemory, plan
+from services.controller.policies.cocoserve_algorithms import (CocoSettings, consecutive_runs, scale_up,
+                                                               settings_for_mode, sort_candidates_by_continuity)
 from shared.speedup import DEFAULT_PROFILE, Line, SpeedupProfile, Strategy, predict
 from shared.commands import CommandSender
 from shared.config import ControllerConfig
@@ -416,7 +417,7 @@ def test_candidates_come_in_whole_runs_longest_first(strategy, dst, max_replicas
     chosen = sort_candidates_by_continuity(strategy, dst, max_replicas)
     free = [i for i, p in enumerate(strategy.placements) if dst not in p]
     assert len(chosen) == min(max_replicas, len(free)) and len(set(chosen)) == len(chosen)
-    runs = cocoserve.consecutive_runs(free)
+    runs = consecutive_runs(free)
     taken = [run for run in runs if set(run) & set(chosen)]
     whole = [run for run in taken if set(run) <= set(chosen)]
     assert len(taken) - len(whole) <= 1  # at most one run is cut short: the last one taken

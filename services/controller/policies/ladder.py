@@ -15,7 +15,7 @@ move an instance this window. Pure like the rungs: `plan` returns the next memor
 
 from dataclasses import dataclass, field
 
-from services.controller.policies import cocoserve, morph
+from services.controller.policies import cocoserve, cocoserve_algorithms, morph
 from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import ControllerConfig
 from shared.messages import ClusterState
@@ -30,7 +30,7 @@ class LadderMemory:
 
 
 def plan(state: ClusterState, memory: LadderMemory, morph_settings: morph.SettingsSource,
-         coco_settings: cocoserve.CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE
+         coco_settings: cocoserve_algorithms.CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE
          ) -> tuple[list[PlannedCommand], LadderMemory]:
     def settings_of(es) -> morph.MorphSettings:
         n = len(es.telemetry.layers)
@@ -53,7 +53,7 @@ def make_policy(profile: SpeedupProfile | None = None) -> Policy:
                       config: ControllerConfig) -> list[PlannedCommand]:
         nonlocal memory
         commands, memory = plan(state, memory, lambda n: morph.settings_for_config(config, n),
-                                cocoserve.settings_for_config(config), costs)
+                                cocoserve_algorithms.settings_for_config(config), costs)
         return commands
 
     return ladder_policy

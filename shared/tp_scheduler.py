@@ -17,12 +17,14 @@ head it holds (fabric/kv_heads.py); `Member.kv_units[k]` is how many units it ha
 cut leaves, so the instance holds min over members of units // heads of blocks.
 """
 
+import itertools
 import math
 from collections.abc import Callable
-import itertools
 from dataclasses import dataclass
 
-MAX_TP = 4  # the FFN's pieces (shared.plans.FFN_PIECES): merges step TP1 -> TP2 -> TP4
+from shared.plans import FFN_PIECES
+
+MAX_TP = FFN_PIECES  # merges step TP1 -> TP2 -> TP4
 
 
 @dataclass(frozen=True)

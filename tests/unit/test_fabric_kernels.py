@@ -10,7 +10,8 @@ from kernels.paged_attention import paged_decode_attention_ref, paged_decode_att
 from kernels.w4a16 import w4a16_linear_ref, w4a16_linear_triton
 from kernels.w8a16 import w8a16_linear_ref, w8a16_linear_triton
 from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
-from services.executor.fabric.shards import ffn_shard, head_shards, pad_channels
+from services.executor.engine.model.decoder import pad_channels
+from services.executor.fabric.shards import ffn_shard, head_shards
 from tests.unit.test_kernels import ATOL, RTOL, decode_case
 
 # (query heads, KV heads, TP) of the default model and of the tests' 8-KV-head checkpoint

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.executor.engine.errors import ModelLoadError
-from services.executor.engine.model.decoder import PIECE_MULTIPLE
-from services.executor.fabric.shards import ffn_shard, head_shards, pad_channels
+from services.executor.engine.model.decoder import PIECE_MULTIPLE, pad_channels
+from services.executor.fabric.shards import ffn_shard, head_shards
 from shared.plans import FFN_PIECES
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model.decoder import ffn_piece_width, mlp
+from services.executor.engine.model.decoder import ffn_piece_width, fused_ffn, mlp
 from services.executor.fabric.ffn_cut import byte_span, cut_layer, piece_range, shard_views
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3
@@ -84,7 +84,6 @@ def test_a_cut_frees_every_page_no_kept_weight_touches_and_no_other(engine, bits
 def test_the_padded_pieces_change_no_output():
     # Integer-valued gate/up weights and inputs make every product exact: the padded layout's real channels
     # equal the unpadded FFN's bit for bit, and its padding contributes exact zeros.
-    from services.executor.engine.model.decoder import pad_pieces
     g = torch.Generator().manual_seed(0)
     hidden, intermediate, pieces = 8, 70, 4
     gate, up = (torch.randint(-3, 4, (intermediate, hidden), generator=g).double() for _ in range(2))
@@ -92,8 +91,6 @@ def test_the_padded_pieces_change_no_output():
     x = torch.randint(-2, 3, (3, hidden), generator=g).double()
     width = ffn_piece_width(intermediate, pieces)
     assert width % 32 == 0 and width * pieces >= intermediate
-    w = {"gate_up_proj": torch.stack([pad_pieces(gate, pieces, width, 0), pad_pieces(up, pieces, width, 0)],
-                                     dim=1).reshape(-1, hidden),
-         "down_proj": pad_pieces(down, pieces, width, 1).reshape(hidden, -1)}
+    w = fused_ffn(gate, up, down, pieces, width)
     expected = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
     torch.testing.assert_close(mlp(x, w, 64, width), expected, rtol=1e-12, atol=1e-12)

@@ -19,7 +19,7 @@ before anything moves, and says what does not.
 """
 
 from collections.abc import Collection, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Block = Hashable  # a block's name across the instance (e.g. its instance block id)
 
@@ -53,22 +53,35 @@ class SplitPlan:
     free_pages: list[set[int]]  # per member, after the split
 
 
-@dataclass
 class UnitPool:
-    """A member's free units, handed out to fill pages already in part used first."""
-    heads_per_page: int
-    free: set[int] = field(default_factory=set)
+    """A member's free units, handed out to fill pages already in part used first (in page order)."""
 
-    def take(self, count: int, avoid_pages: Collection[int] = ()) -> list[int]:
-        h = self.heads_per_page
-        by_page: dict[int, list[int]] = {}
-        for unit in self.free:
-            if unit // h not in avoid_pages:
+    def __init__(self, heads_per_page: int, free: Iterable[int] = ()):
+        self.heads_per_page = heads_per_page
+        self.free: set[int] = set(free)
+        self._order: list[int] | None = None  # the hand-out order, rebuilt after units come back
+
+    def give(self, units: Iterable[int]) -> None:
+        self.free.update(units)
+        self._order = None
+
+    def remove(self, units: Iterable[int]) -> None:
+        self.free.difference_update(units)
+        self._order = None
+
+    def take(self, count: int) -> list[int]:
+        # Taking units of a whole page leaves it in part used and its next units next in line, so one order
+        # serves every take until units come back.
+        if self._order is None:
+            h = self.heads_per_page
+            by_page: dict[int, list[int]] = {}
+            for unit in self.free:
                 by_page.setdefault(unit // h, []).append(unit)
-        ordered = sorted(by_page.items(), key=lambda item: (len(item[1]) == h, item[0]))
-        units = [u for _, us in ordered for u in sorted(us)][:count]
-        if len(units) < count:
-            raise KvPlanError(f"needs {count} free head units, has {len(units)}")
+            ordered = sorted(by_page.items(), key=lambda item: (len(item[1]) == h, item[0]))
+            self._order = [u for _, us in reversed(ordered) for u in sorted(us, reverse=True)]
+        if len(self._order) < count:
+            raise KvPlanError(f"needs {count} free head units, has {len(self._order)}")
+        units = [self._order.pop() for _ in range(count)]
         self.free.difference_update(units)
         return units
 
@@ -93,7 +106,7 @@ def plan_merge(heads_per_page: int, member_heads: list[range], blocks: list[dict
     for r, heads in enumerate(member_heads):
         for block, page in blocks[r].items():
             units[r][block] = tuple(page * h + head for head in heads)
-            pools[r].free.update(page * h + i for i in range(h) if i not in heads)
+            pools[r].give(page * h + i for i in range(h) if i not in heads)
     moves = []
     for r, heads in enumerate(member_heads):
         foreign = [b for b in owner if owner[b] != r]
@@ -122,7 +135,7 @@ def plan_split(heads_per_page: int, member_heads: list[range], units: list[dict[
     for r, mine in enumerate(units):
         for block, us in mine.items():
             if target[block] != r:
-                pools[r].free.update(us)
+                pools[r].give(us)
     pages: list[dict[Block, int]] = [{} for _ in units]
     moves, copies = [], []
     for r in range(len(units)):
@@ -133,24 +146,24 @@ def plan_split(heads_per_page: int, member_heads: list[range], units: list[dict[
         # The runtime reads every source before it writes anything, so the units of blocks that take a fresh
         # page may be reused at once, by a block going back home among them.
         for block in homeless:
-            pools[r].free.update(own[block].values())
+            pools[r].give(own[block].values())
         for block in arriving:
             if block in homeless:
                 continue
             page = home[block][1]
             if (all(own[block].get(i, page * h + i) == page * h + i for i in range(h))
                     and all(page * h + i in pools[r].free for i in range(h) if i not in own[block])):
-                pools[r].free.difference_update(page * h + i for i in range(h))
+                pools[r].remove(page * h + i for i in range(h))
                 pages[r][block] = page
             else:
                 fresh.append(block)
-                pools[r].free.update(own[block].values())
+                pools[r].give(own[block].values())
         whole = pools[r].whole_pages(avoid=reserved[r])
         if len(fresh) > len(whole):
             raise KvPlanError(f"tp_split: {names[r]} needs {len(fresh)} whole free KV pages for the sequences it "
                               f"takes back, has {len(whole)}")
         for block, page in zip(fresh, whole):
-            pools[r].free.difference_update(page * h + i for i in range(h))
+            pools[r].remove(page * h + i for i in range(h))
             pages[r][block] = page
             copies += [HeadMove(block, head, r, unit, r, page * h + head) for head, unit in own[block].items()
                        if unit != page * h + head]

@@ -26,9 +26,8 @@ import torch
 
 from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.checkpoint import Checkpoint
-from services.executor.engine.model.decoder import ffn_piece_width
+from services.executor.engine.model.decoder import even_ranges, ffn_piece_width, pad_channels
 from shared.plans import FFN_PIECES
-
 
 
 @dataclass(frozen=True)
@@ -50,17 +49,6 @@ def head_shards(num_heads: int, num_kv_heads: int, tp: int) -> list[HeadShard]:
     return [HeadShard(range(r * per, (r + 1) * per), range(r // copies, r // copies + 1)) for r in range(tp)]
 
 
-def even_ranges(total: int, parts: int) -> list[range]:
-    """`total` split in `parts` contiguous ranges, the larger ones first (7 in 3 → 3, 2, 2)."""
-    base, extra = divmod(total, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
 def ffn_shard(intermediate: int, tp: int, rank: int, pieces: int = FFN_PIECES) -> tuple[list[range], int]:
     """The real intermediate channels member `rank` holds (one range per piece, each followed by zero
     padding up to the piece width) and that width."""
@@ -69,17 +57,6 @@ def ffn_shard(intermediate: int, tp: int, rank: int, pieces: int = FFN_PIECES) -
     per_member = pieces // tp
     real = even_ranges(intermediate, pieces)[rank * per_member:(rank + 1) * per_member]
     return real, ffn_piece_width(intermediate, pieces)
-
-
-def pad_channels(w: torch.Tensor, real: list[range], width: int, dim: int) -> torch.Tensor:
-    """The channels `real` of `w` along `dim`, each range zero-padded to `width` channels."""
-    parts = []
-    for r in real:
-        piece = w.narrow(dim, r.start, len(r))
-        pad = list(piece.shape)
-        pad[dim] = width - len(r)
-        parts += [piece, piece.new_zeros(pad)]
-    return torch.cat(parts, dim=dim)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ into `cfg.ffn_pieces` equal pieces, each zero-padded to `ffn_piece_width` channe
 after piece, that piece's gate rows then its up rows, and down_proj is stored input-major (transposed),
 so a piece's input channels are consecutive rows. The views a layer hands out are the logical `[out, in]`
 tensors whatever the storage (`slot_views`), so every matmul, quantizer and evaluator sees one shape.
-Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result. The batch is
-flat: single-token decodes first (paged decode attention over their block tables, in groups of similar
-context length), then prefill chunks
-(attention over the chunk and the context already in cache). Only rows that sample get logits.
+Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result.
+
+The batch is flat: single-token decodes first (paged decode attention over their block tables, in groups
+of similar context length), then prefill chunks (attention over the chunk and the context already in
+cache). Only rows that sample get logits.
 """
 
 import math
@@ -112,18 +113,36 @@ def slot_views(arena: Arena, layer: int, layout: dict[str, tuple]) -> dict[str, 
     return views
 
 
-def pad_pieces(w: torch.Tensor, pieces: int, width: int, dim: int) -> torch.Tensor:
-    """`w` with its `dim` cut into `pieces` even parts (the larger first), each zero-padded to `width`:
-    [pieces, width, ...] along dim 0, [..., pieces, width] along dim 1."""
-    base, extra = divmod(w.shape[dim], pieces)
-    parts, start = [], 0
-    for i in range(pieces):
+def even_ranges(total: int, parts: int) -> list[range]:
+    """`total` split in `parts` contiguous ranges, the larger ones first (7 in 3 → 3, 2, 2)."""
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
         size = base + (1 if i < extra else 0)
-        pad = list(w.shape)
-        pad[dim] = width - size
-        parts.append(torch.cat([w.narrow(dim, start, size), w.new_zeros(pad)], dim=dim))
+        out.append(range(start, start + size))
         start += size
-    return torch.stack(parts, dim=dim if dim == 0 else 1)
+    return out
+
+
+def pad_channels(w: torch.Tensor, real: list[range], width: int, dim: int) -> torch.Tensor:
+    """The channels `real` of `w` along `dim`, each range zero-padded to `width` channels."""
+    parts = []
+    for r in real:
+        piece = w.narrow(dim, r.start, len(r))
+        pad = list(piece.shape)
+        pad[dim] = width - len(r)
+        parts += [piece, piece.new_zeros(pad)]
+    return torch.cat(parts, dim=dim)
+
+
+def fused_ffn(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, pieces: int, width: int
+              ) -> dict[str, torch.Tensor]:
+    """A checkpoint's gate, up and down projections as the slot's logical gate_up_proj and down_proj: the
+    intermediate width in `pieces` even parts, each padded to `width`, gate and up rows piece by piece."""
+    real = even_ranges(gate.shape[0], pieces)
+    gate, up = (pad_channels(w, real, width, 0).view(pieces, width, -1) for w in (gate, up))
+    return {"gate_up_proj": torch.stack([gate, up], dim=1).reshape(2 * pieces * width, -1),
+            "down_proj": pad_channels(down, real, width, 1)}
 
 
 def load_layer(views: dict[str, torch.Tensor], checkpoint: Checkpoint, layer: int) -> None:
@@ -135,9 +154,8 @@ def load_layer(views: dict[str, torch.Tensor], checkpoint: Checkpoint, layer: in
     pieces, width = cfg.ffn_pieces, ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     views["qkv_proj"].copy_(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))
     views["o_proj"].copy_(get("o_proj"))
-    gate, up = (pad_pieces(get(name), pieces, width, 0) for name in ("gate_proj", "up_proj"))
-    views["gate_up_proj"].copy_(torch.stack([gate, up], dim=1).reshape(views["gate_up_proj"].shape))
-    views["down_proj"].copy_(pad_pieces(get("down_proj"), pieces, width, 1).reshape(views["down_proj"].shape))
+    for name, tensor in fused_ffn(get("gate_proj"), get("up_proj"), get("down_proj"), pieces, width).items():
+        views[name].copy_(tensor)
     views["input_norm"].copy_(get("input_norm"))
     views["post_attn_norm"].copy_(get("post_attn_norm"))
     if "qkv_bias" in views:

@@ -6,6 +6,7 @@ is aborted or passes its deadline.
 """
 
 import itertools
+from collections.abc import Callable
 import logging
 import random
 import time
@@ -23,6 +24,7 @@ from services.executor.engine.model.tokenizer import Tokenizer
 from services.executor.engine.morphing.swapper import LayerSwapper
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows
 from services.executor.engine.runner import ModelRunner
+from services.executor.engine.scheduling import handover
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
@@ -310,6 +312,38 @@ class LLMEngine:
                                       f"configured batch), got {cap}", "args.max_num_seqs")
         before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, cap
         return before
+
+    # --- AMOEBAs' merge -----------------------------------------------------------------------
+    def export_sequences(self) -> list[dict]:
+        """Every live sequence, packed for another engine (handover.pack), block tables in our pages."""
+        return [handover.pack(s, self._text[s.seq_id]) for s in [*self.scheduler.running, *self.scheduler.waiting]]
+
+    def lead_instance(self, member: InstanceMember, block_ids: Callable[[int, list[int]], list[int]],
+                      handed: list[tuple[int, dict]]) -> None:
+        """Step the merged instance `member` from now on: our sequences' block tables become instance block
+        ids (`block_ids(0, pages)`), and the sequences member r handed over (packed) join with theirs."""
+        self.member = member
+        self.blocks = BlockManager(member.blocks, self.config.block_size)
+        self.scheduler.blocks = self.blocks
+        self.runner = InstanceRunner(member, self.config.block_size)
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            seq.block_table = block_ids(0, seq.block_table)
+        for rank, packed in handed:
+            seq, text = handover.unpack(packed, block_ids(rank, packed["block_table"]), self.tokenizer,
+                                        self.config.device)
+            self._text[seq.seq_id] = text
+            self._requests.setdefault(seq.request_id, []).append(seq)
+            if packed["running"]:
+                self.scheduler.add_running(seq)
+            else:
+                self.scheduler.waiting.append(seq)
+
+    def hand_over(self) -> None:
+        """Forget every sequence: another engine goes on with them (export_sequences)."""
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self._requests.clear()
+        self._text.clear()
 
     # --- reading ------------------------------------------------------------------------------
     def keepalive(self) -> None:

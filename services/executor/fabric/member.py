@@ -34,7 +34,7 @@ from services.executor.engine.morphing.swapper import LayerSwapper
 from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.shards import MemberCheckpoint, Shard
-from services.executor.fabric.world import FabricError, World, checked
+from services.executor.fabric.world import FabricError, LeaderLeft, World, checked
 from shared.config import EngineConfig
 from shared.messages import InstancePlan
 from shared.plans import Segment, layers_on, quantized_layers, segments
@@ -86,6 +86,34 @@ class InstanceMember:
         self.last_sent = time.monotonic()
         log.info("executor %s: member of instance %s (%s, layers %s), %d KV blocks of %d tokens", me, plan.id,
                  self.shard.describe(), held, blocks, config.block_size)
+
+    @classmethod
+    def merged(cls, world: World, plan: InstancePlan, me: str, engine, units: torch.Tensor, capacity: int,
+               membership) -> "InstanceMember":
+        """This executor's member of an instance merged at run time (fabric/transform.py) out of the engine
+        that served alone: its model and arena as they are (cut by `membership`), KV by head unit (`units`:
+        a row of units per instance block, `capacity` blocks)."""
+        self = cls.__new__(cls)
+        self.world, self.me, self.leader, self.is_leader = world, me, plan.leader, me == plan.leader
+        self.device = torch.device(engine.config.device)
+        self.adopt(plan)
+        self.shard = Shard(plan.tp, plan.members.index(me))
+        self.checkpoint = None  # a TP instance refuses layer operations before they would read it
+        self.group = world.group(plan.members)
+        self.arena, self.model = engine.arena, engine.model
+        self.model.reduce = self._all_reduce
+        self.hidden_size, self.dtype = self.model.cfg.hidden_size, self.model.dtype
+        self.full_copies = {}
+        self.min_blocks = self.arena.geometry.pages_for_tokens(engine.max_model_len)
+        self.capacity = capacity
+        self.page_of = [tuple(row) for row in units.tolist()]
+        self.pages = units.to(self.device)
+        self.blocks = PageLedger(capacity)
+        self.kv_free, self.kv_used = self.blocks.num_free, 0
+        self.broken = False
+        self.last_sent = time.monotonic()
+        self.membership = membership
+        return self
 
     def adopt(self, plan: InstancePlan) -> None:
         """Serve `plan` from the next step on."""
@@ -148,6 +176,13 @@ class InstanceMember:
         self.send_step(step)
         return self.execute(step)
 
+    def leave(self) -> None:
+        """End the instance for every member (the leader, done with it); a member already gone is no matter."""
+        try:
+            self.send_step(wire.StepPlan(wire.LEAVE))
+        except FabricError:
+            pass
+
     def keepalive(self) -> None:
         if time.monotonic() - self.last_sent >= KEEPALIVE_S:
             self.send_step(wire.StepPlan(wire.KEEPALIVE))
@@ -177,11 +212,13 @@ class InstanceMember:
             self.execute(step)
         elif step.kind == wire.RESHAPE:
             reshape.follow(self, step)
+        elif step.kind == wire.LEAVE:
+            raise LeaderLeft(f"the leader of instance {self.plan.id} ended it")
 
     # --- both -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: wire.StepPlan) -> torch.Tensor | None:
-        kv = self.arena.kv_cache
+        kv = self.arena.kv_cache if self.model.kv_units is None else self.model.kv_units
         if step.fresh.numel():
             kv[self._pages(step.fresh)] = 0
         if step.copies.numel():
@@ -262,7 +299,8 @@ class InstanceMember:
         slots = b.slot_mapping.to(self.device)
         return ForwardBatch(
             input_ids=b.input_ids.to(self.device), positions=b.positions.to(self.device),
-            slot_mapping=self.pages[slots // bs] * bs + slots % bs,
+            slot_mapping=self.pages[slots // bs] * bs + (slots % bs if self.pages.dim() == 1 else
+                                                         (slots % bs).unsqueeze(-1)),
             decodes=[DecodeGroup(g.row, g.length, self._pages(g.block_tables).to(torch.int32),
                                  g.context_lens.to(self.device)) for g in b.decodes],
             prefills=[PrefillChunk(p.row, p.length, self._pages(p.block_table).to(torch.int32), p.context_start)

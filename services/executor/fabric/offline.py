@@ -71,7 +71,7 @@ def instance_engine(config: EngineConfig, shape: Shape, timeout_s: float = 60.0,
              for rank in range(1, shape.executors)]
     for p in procs:
         p.start()
-    world = None
+    world, engine = None, None
     try:
         if threads:
             import torch
@@ -80,8 +80,11 @@ def instance_engine(config: EngineConfig, shape: Shape, timeout_s: float = 60.0,
         world, _, plan = _join(config, shape, url, 0, timeout_s)
         if plan.leader != "exec0" or len(plan.members) == 1:
             raise ValueError(f"exec0 must lead an instance of several executors; its plan is {plan}")
-        yield LLMEngine(config, progress=False, seat=Seat(world, plan, "exec0"))
+        engine = LLMEngine(config, progress=False, seat=Seat(world, plan, "exec0"))
+        yield engine
     finally:
+        if engine is not None and not engine.member.broken:
+            engine.member.leave()
         if world is not None:
             world.close()
         for p in procs:

@@ -4,7 +4,8 @@ A step names KV by block id, the instance's own numbering: each member maps ids 
 It carries the pages to zero and copy first, the packed batch (ForwardBatch), and for every replicated
 layer range the sub-batch and batch rows of each replica. KEEPALIVE steps say "still here" while the
 leader is idle, so that a member's wait can time out only when the leader is really gone. A RESHAPE step
-carries the instance's next plan (reshape.py says what follows it).
+carries the instance's next plan (reshape.py says what follows it). A LEAVE step ends the instance: a leader
+done with it says so, and its members stop following at once instead of when their wait times out.
 """
 
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import torch
 
 from services.executor.engine.model.decoder import DecodeGroup, ForwardBatch, PrefillChunk
 
-RUN, KEEPALIVE, RESHAPE = 1, 2, 3
+RUN, KEEPALIVE, RESHAPE, LEAVE = 1, 2, 3, 4
 
 
 @dataclass

@@ -30,6 +30,10 @@ class FabricError(EngineError):
     """A collective with the instance's other members failed (a peer died or hung): the instance is broken."""
 
 
+class LeaderLeft(FabricError):
+    """The instance's leader ended it (a LEAVE step): nothing failed, but there is nothing left to follow."""
+
+
 @dataclass(frozen=True)
 class WorldSettings:
     url: str  # tcp://HOST:PORT of the TCP store rank 0 hosts

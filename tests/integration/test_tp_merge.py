@@ -1,0 +1,80 @@
+"""AMOEBAs' runtime merge across real processes (a gloo world, no bus): two executors serving alone, each with
+requests mid-generation, merge between two steps into one TP2 instance (FFN cut in place, KV moved by
+head), and the leader finishes every request with exactly the tokens one engine alone generates: nothing
+recomputed, nothing lost."""
+
+import multiprocessing
+
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.model.loader import load_checkpoint
+from services.executor.fabric.transform import merge
+from services.executor.fabric.world import FabricError, World, WorldSettings
+from shared.config import EngineConfig
+from shared.net import free_port
+from shared.plans import instance_plans
+from shared.sampling import SamplingOptions
+from tests.checkpoints import write_tiny_llama3
+
+PROMPTS = ["The quick brown fox", "In 1990 the city of", "Hello there, how are you", "A B C D E F G H I J K"]
+NEW_TOKENS = 24
+STEPS_ALONE = 3
+TIMEOUT_S = 60.0
+
+
+def _join(config: EngineConfig, url: str, rank: int) -> World:
+    world = World.join(WorldSettings(url, rank, 2, TIMEOUT_S), f"exec{rank}", "cpu")
+    world.create_groups(instance_plans(world.names, load_checkpoint(config.model).config.num_layers))
+    return world
+
+
+def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before) -> None:
+    world = _join(config, url, 1)
+    engine = LLMEngine(config, progress=False)
+    for i in (2, 3):
+        engine.add_request(f"r{i}", PROMPTS[i], params)
+    out: dict[str, list[int]] = {}
+    for _ in range(STEPS_ALONE):
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    before.put(out)
+    member = merge(engine, world, ["exec0", "exec1"], "exec1", "m0")
+    try:
+        while True:
+            member.follow_one()
+    except FabricError:  # the leader left the world: the run is over
+        world.close()
+
+
+def test_two_executors_merge_mid_stream_into_tp2_and_every_request_keeps_its_tokens(tmp_path):
+    config = EngineConfig(model=str(write_tiny_llama3(tmp_path / "tiny")), memory_budget=4 << 20, block_size=8,
+                          max_model_len=128, prepare_variants=True, variant_cache_dir=str(tmp_path / "variants"))
+    params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS, params)]
+
+    ctx = multiprocessing.get_context("spawn")
+    before = ctx.Queue()
+    url = f"tcp://127.0.0.1:{free_port()}"
+    follower = ctx.Process(target=_exec1, args=(config, url, params, before), daemon=True)
+    follower.start()
+    world = _join(config, url, 0)
+    try:
+        engine = LLMEngine(config, progress=False)
+        for i in (0, 1):
+            engine.add_request(f"r{i}", PROMPTS[i], params)
+        out: dict[str, list[int]] = {}
+        for _ in range(STEPS_ALONE):
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        member = merge(engine, world, ["exec0", "exec1"], "exec0", "m0")
+        assert member.is_leader and member.plan.tp == 2 and engine.member is member
+        for rid, tokens in before.get(timeout=TIMEOUT_S).items():
+            out.setdefault(rid, []).extend(tokens)
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        member.leave()
+    finally:
+        world.close()
+        follower.join(timeout=TIMEOUT_S)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert engine.stats().running == 0 and member.blocks.num_free == member.num_blocks  # every block back

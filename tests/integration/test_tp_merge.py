@@ -1,13 +1,15 @@
-"""AMOEBAs' runtime merge across real processes (a gloo world, no bus): two executors serving alone, each with
-requests mid-generation, merge between two steps into one TP2 instance (FFN cut in place, KV moved by
-head), and the leader finishes every request with exactly the tokens one engine alone generates: nothing
-recomputed, nothing lost."""
+"""AMOEBAs' runtime merge and split across real processes (a gloo world, no bus): two executors serving alone,
+each with requests mid-generation, merge between two steps into one TP2 instance (FFN cut in place, KV
+moved by head); the instance takes a new request, runs, and splits back (KV first, the FFN refilled), and
+each executor finishes its requests alone: every request gets exactly the tokens one engine alone
+generates, nothing recomputed, nothing lost."""
 
 import multiprocessing
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.loader import load_checkpoint
-from services.executor.fabric.transform import merge
+from services.executor.fabric import step as wire
+from services.executor.fabric.transform import merge, split
 from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
 from shared.net import free_port
@@ -15,9 +17,11 @@ from shared.plans import instance_plans
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 
-PROMPTS = ["The quick brown fox", "In 1990 the city of", "Hello there, how are you", "A B C D E F G H I J K"]
-NEW_TOKENS = 24
+PROMPTS = ["The quick brown fox", "In 1990 the city of", "Hello there, how are you", "A B C D E F G H I J K",
+           "Rain fell on the roof all night"]
+NEW_TOKENS = 30
 STEPS_ALONE = 3
+STEPS_MERGED = 9  # past a block boundary: new blocks by head unit
 TIMEOUT_S = 60.0
 
 
@@ -27,34 +31,44 @@ def _join(config: EngineConfig, url: str, rank: int) -> World:
     return world
 
 
-def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before) -> None:
+def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
+    for d in engine.step():
+        out.setdefault(d.request_id, []).extend(d.token_ids)
+
+
+def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, after) -> None:
     world = _join(config, url, 1)
     engine = LLMEngine(config, progress=False)
     for i in (2, 3):
         engine.add_request(f"r{i}", PROMPTS[i], params)
     out: dict[str, list[int]] = {}
     for _ in range(STEPS_ALONE):
-        for d in engine.step():
-            out.setdefault(d.request_id, []).extend(d.token_ids)
+        _step(engine, out)
     before.put(out)
     member = merge(engine, world, ["exec0", "exec1"], "exec1", "m0")
     try:
-        while True:
-            member.follow_one()
-    except FabricError:  # the leader left the world: the run is over
-        world.close()
+        while member.follow_one() != wire.SPLIT:
+            pass
+        split(engine, member)
+        out = {}
+        while engine.has_unfinished():
+            _step(engine, out)
+        after.put(out)
+    except FabricError as exc:
+        after.put(repr(exc))
+    world.close()
 
 
-def test_two_executors_merge_mid_stream_into_tp2_and_every_request_keeps_its_tokens(tmp_path):
+def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_request_keeps_its_tokens(tmp_path):
     config = EngineConfig(model=str(write_tiny_llama3(tmp_path / "tiny")), memory_budget=4 << 20, block_size=8,
                           max_model_len=128, prepare_variants=True, variant_cache_dir=str(tmp_path / "variants"))
     params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS, params)]
 
     ctx = multiprocessing.get_context("spawn")
-    before = ctx.Queue()
+    before, after = ctx.Queue(), ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
-    follower = ctx.Process(target=_exec1, args=(config, url, params, before), daemon=True)
+    follower = ctx.Process(target=_exec1, args=(config, url, params, before, after), daemon=True)
     follower.start()
     world = _join(config, url, 0)
     try:
@@ -63,18 +77,27 @@ def test_two_executors_merge_mid_stream_into_tp2_and_every_request_keeps_its_tok
             engine.add_request(f"r{i}", PROMPTS[i], params)
         out: dict[str, list[int]] = {}
         for _ in range(STEPS_ALONE):
-            for d in engine.step():
-                out.setdefault(d.request_id, []).extend(d.token_ids)
+            _step(engine, out)
         member = merge(engine, world, ["exec0", "exec1"], "exec0", "m0")
         assert member.is_leader and member.plan.tp == 2 and engine.member is member
         for rid, tokens in before.get(timeout=TIMEOUT_S).items():
             out.setdefault(rid, []).extend(tokens)
+        engine.add_request("r4", PROMPTS[4], params)  # arrives merged: the split gives it a member
+        for _ in range(STEPS_MERGED):
+            _step(engine, out)
+        blocks = member.num_blocks
+        split(engine, member)
+        assert engine.member is None and {"r0", "r1"} <= set(engine._requests) <= {"r0", "r1", "r4"}
         while engine.has_unfinished():
-            for d in engine.step():
-                out.setdefault(d.request_id, []).extend(d.token_ids)
-        member.leave()
+            _step(engine, out)
+        alone = after.get(timeout=TIMEOUT_S)
+        assert isinstance(alone, dict), alone
+        for rid, tokens in alone.items():
+            out.setdefault(rid, []).extend(tokens)
     finally:
         world.close()
         follower.join(timeout=TIMEOUT_S)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == expected
-    assert engine.stats().running == 0 and member.blocks.num_free == member.num_blocks  # every block back
+    assert blocks > 0 and engine.stats().running == 0
+    engine.arena.ledger.check_consistency()
+    assert engine.arena.ledger.num_free == engine.arena.ledger.snapshot().pages_kv  # every page back

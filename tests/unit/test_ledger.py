@@ -135,6 +135,26 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.assign_slot(0, range(page, page + 1))
             self.slot.add(page)
 
+    @rule(page=st.integers(0, 23))
+    def claim(self, page):
+        if page in self.refs or page in self.slot or page in self.absent:
+            with pytest.raises(LedgerError):
+                self.ledger.claim(page)
+        else:
+            self.ledger.claim(page)
+            self.refs[page] = 1
+
+    @rule(data=st.data())
+    def reset_kv(self, data):
+        used = data.draw(st.dictionaries(st.integers(0, 23), st.integers(1, 3), max_size=6))
+        if any(p in self.slot or p in self.absent for p in used):
+            with pytest.raises(LedgerError):
+                self.ledger.reset_kv(used)
+        else:
+            self.ledger.reset_kv(used)
+            self.refs = dict(used)
+        assert self.ledger.free_pages() == sorted(set(range(24)) - self.slot - self.absent - set(self.refs))
+
     @invariant()
     def adds_up(self):
         self.ledger.check_consistency()

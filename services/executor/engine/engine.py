@@ -316,7 +316,10 @@ class LLMEngine:
     # --- AMOEBAs' merge -----------------------------------------------------------------------
     def export_sequences(self) -> list[dict]:
         """Every live sequence, packed for another engine (handover.pack), block tables in our pages."""
-        return [handover.pack(s, self._text[s.seq_id]) for s in [*self.scheduler.running, *self.scheduler.waiting]]
+        return [self.pack_sequence(s) for s in [*self.scheduler.running, *self.scheduler.waiting]]
+
+    def pack_sequence(self, seq: Sequence) -> dict:
+        return handover.pack(seq, self._text[seq.seq_id])
 
     def lead_instance(self, member: InstanceMember, block_ids: Callable[[int, list[int]], list[int]],
                       handed: list[tuple[int, dict]]) -> None:
@@ -329,14 +332,40 @@ class LLMEngine:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.block_table = block_ids(0, seq.block_table)
         for rank, packed in handed:
-            seq, text = handover.unpack(packed, block_ids(rank, packed["block_table"]), self.tokenizer,
-                                        self.config.device)
-            self._text[seq.seq_id] = text
-            self._requests.setdefault(seq.request_id, []).append(seq)
-            if packed["running"]:
-                self.scheduler.add_running(seq)
-            else:
-                self.scheduler.waiting.append(seq)
+            self._adopt(packed, block_ids(rank, packed["block_table"]))
+
+    def serve_alone(self, pages: Callable[[list[int]], list[int]], keep: Callable[[Sequence], bool],
+                    handed: list[dict]) -> None:
+        """Serve alone again after a TP split: the sequences `keep` says stay get their block tables back in
+        our pages (`pages(block ids)`), the others are another engine's now, and `handed` (packed, in block
+        ids) join."""
+        self.member = None
+        self.blocks = BlockManager(self.arena.ledger, self.config.block_size)
+        self.scheduler.blocks = self.blocks
+        self.runner = ModelRunner(self.model, self.config.block_size, self.config.device)
+        for queue in (self.scheduler.running, self.scheduler.waiting):
+            for seq in list(queue):
+                if keep(seq):
+                    seq.block_table = pages(seq.block_table)
+                    continue
+                queue.remove(seq)
+                self._text.pop(seq.seq_id, None)
+                family = [s for s in self._requests.get(seq.request_id, []) if s is not seq]
+                self._requests[seq.request_id] = family
+                if not family:
+                    del self._requests[seq.request_id]
+        for packed in handed:
+            self._adopt(packed, pages(packed["block_table"]))
+
+    def _adopt(self, packed: dict, block_table: list[int]) -> None:
+        """A sequence another engine packed (handover.pack) goes on here."""
+        seq, text = handover.unpack(packed, block_table, self.tokenizer, self.config.device)
+        self._text[seq.seq_id] = text
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        if packed["running"]:
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.waiting.append(seq)
 
     def hand_over(self) -> None:
         """Forget every sequence: another engine goes on with them (export_sequences)."""

@@ -89,10 +89,10 @@ class InstanceMember:
 
     @classmethod
     def merged(cls, world: World, plan: InstancePlan, me: str, engine, units: torch.Tensor, capacity: int,
-               membership) -> "InstanceMember":
+               merged) -> "InstanceMember":
         """This executor's member of an instance merged at run time (fabric/transform.py) out of the engine
         that served alone: its model and arena as they are (cut by `membership`), KV by head unit (`units`:
-        a row of units per instance block, `capacity` blocks)."""
+        a row of units per instance block, `capacity` blocks); `merged` is what its split needs to know."""
         self = cls.__new__(cls)
         self.world, self.me, self.leader, self.is_leader = world, me, plan.leader, me == plan.leader
         self.device = torch.device(engine.config.device)
@@ -112,7 +112,7 @@ class InstanceMember:
         self.kv_free, self.kv_used = self.blocks.num_free, 0
         self.broken = False
         self.last_sent = time.monotonic()
-        self.membership = membership
+        self.merged_state = merged
         return self
 
     def adopt(self, plan: InstancePlan) -> None:
@@ -204,8 +204,9 @@ class InstanceMember:
         return flat
 
     # --- a follower's side ------------------------------------------------------------------------
-    def follow_one(self) -> None:
-        """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it."""
+    def follow_one(self) -> int:
+        """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it; returns
+        the step's kind (a SPLIT is the caller's to carry out: it needs the engine)."""
         step = wire.decode(self.share(None, "waiting for the leader's step"))
         self.kv_free, self.kv_used = step.kv_free, step.kv_used
         if step.kind == wire.RUN:
@@ -214,6 +215,7 @@ class InstanceMember:
             reshape.follow(self, step)
         elif step.kind == wire.LEAVE:
             raise LeaderLeft(f"the leader of instance {self.plan.id} ended it")
+        return step.kind
 
     # --- both -------------------------------------------------------------------------------------
     @torch.inference_mode()

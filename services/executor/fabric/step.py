@@ -5,7 +5,8 @@ It carries the pages to zero and copy first, the packed batch (ForwardBatch), an
 layer range the sub-batch and batch rows of each replica. KEEPALIVE steps say "still here" while the
 leader is idle, so that a member's wait can time out only when the leader is really gone. A RESHAPE step
 carries the instance's next plan (reshape.py says what follows it). A LEAVE step ends the instance: a leader
-done with it says so, and its members stop following at once instead of when their wait times out.
+done with it says so, and its members stop following at once instead of when their wait times out. A SPLIT
+step starts a TP split (transform.py): every member then serves alone again.
 """
 
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch
 
 from services.executor.engine.model.decoder import DecodeGroup, ForwardBatch, PrefillChunk
 
-RUN, KEEPALIVE, RESHAPE, LEAVE = 1, 2, 3, 4
+RUN, KEEPALIVE, RESHAPE, LEAVE, SPLIT = 1, 2, 3, 4, 5
 
 
 @dataclass

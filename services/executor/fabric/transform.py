@@ -1,5 +1,5 @@
-"""AMOEBAs' runtime merge of executors that serve alone into one TP instance, between two steps, with the
-running requests keeping their tokens and their KV (§3.1-3.3).
+"""AMOEBAs' runtime merge of executors that serve alone into one TP instance, and its split back, between two
+steps, with the running requests keeping their tokens and their KV (§3.1-3.3).
 
 Every member, at a step boundary, in the members' group:
 1. cuts its FFN in place (merge.become_member: FFN first);
@@ -10,17 +10,25 @@ Every member, at a step boundary, in the members' group:
    head unit per local KV head, and backs as many more as the member with the fewest free units can;
 5. the first member leads: its engine takes every sequence, with block tables in instance block ids, and
    steps the instance from then on; the others follow its steps.
+
+Splitting (the leader sends a SPLIT step, then every member): the leader says which member serves each
+sequence from then on (the one it came from; a request that arrived merged goes to the member with the
+fewest blocks so far) and hands the others' over; every member tells the others its free units and the
+pages its FFN refill needs; all compute the same plan (kv_heads.plan_split, KV first), move heads, refill
+the FFN from the host variants (merge.become_whole) and serve alone again.
 """
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from services.executor.fabric.kv_heads import HeadMove, UnitPool, plan_merge
+from services.executor.fabric import step as wire
+from services.executor.fabric.kv_heads import HeadMove, UnitPool, plan_merge, plan_split
 from services.executor.fabric.member import InstanceMember
-from services.executor.fabric.merge import become_member
+from services.executor.fabric.merge import Membership, become_member, become_whole
 from services.executor.fabric.shards import head_shards
 from services.executor.fabric.world import World, checked
 from shared.messages import InstancePlan, LayerPlan
@@ -29,6 +37,16 @@ if TYPE_CHECKING:
     from services.executor.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class MergedState:
+    """What a member of a merged instance keeps for its split."""
+    membership: Membership  # its FFN cut
+    member_heads: list[range]  # the KV heads each member holds
+    home: dict[int, tuple[int, int]]  # instance block id -> (member, page) it had before the merge
+    spare_units: set[int]  # this member's units that no block id maps to
+    origin: dict[str, int]  # request id -> the member it came from (the leader's record)
 
 
 def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instance_id: str) -> InstanceMember:
@@ -70,8 +88,11 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     instance = InstancePlan(id=instance_id, leader=members[0], members=list(members), tp=tp,
                             layers=[LayerPlan(placement=list(members), bits=16 if b == model.full_bits else b)
                                     for b in model.layer_bits])
+    state = MergedState(membership, member_heads, {block_id[name]: name for name in names}, set(pool.free),
+                        {} if rank else {s.request_id: 0 for s in seqs} | {
+                            p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]})
     member = InstanceMember.merged(world, instance, me, engine, torch.tensor(units, dtype=torch.int64), capacity,
-                                   membership)
+                                   state)
     if rank == 0:
         refs = {block_id[(r, p)]: rc for r, e in enumerate(everyone) for p, rc in e["blocks"].items()}
         for block, rc in refs.items():
@@ -87,10 +108,66 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     return member
 
 
-def exchange_heads(arena, world: World, members: list[str], me: str, moves: list[HeadMove]) -> None:
-    """Send and receive the heads `moves` names: every source read before anything is written."""
+def split(engine: "LLMEngine", member: InstanceMember) -> None:
+    """Split the merged instance `member` belongs to back into executors that serve alone (every member
+    calls this; the leader first, which starts it with a SPLIT step)."""
+    members, me, world, state = member.plan.members, member.me, member.world, member.merged_state
+    rank, arena = members.index(me), engine.arena
+    decision = [None]
+    if member.is_leader:
+        member.send_step(wire.StepPlan(wire.SPLIT))
+        decision = [_split_decision(engine, member)]
+    with checked(f"instance {member.plan.id}: sharing the split's decision"):
+        dist.broadcast_object_list(decision, world.rank_of(member.leader), group=member.group)
+    targets, refs, handed = decision[0]["targets"], decision[0]["refs"], decision[0]["handed"]
+    live = set(targets)
+    mine = {"units": {b: member.page_of[b] for b in live},
+            "free": state.spare_units | {u for b, us in enumerate(member.page_of) if b not in live for u in us},
+            "reserved": {p for pages in state.membership.freed.values() for p in pages}}
+    everyone: list[dict] = [None] * len(members)  # type: ignore[list-item]
+    with checked(f"instance {member.plan.id}: sharing the split's free units"):
+        dist.all_gather_object(everyone, mine, group=member.group)
+    plan = plan_split(arena.kv_cache.shape[1], state.member_heads, [e["units"] for e in everyone],
+                      [e["free"] for e in everyone], targets, state.home, [e["reserved"] for e in everyone],
+                      names=members)
+    exchange_heads(arena, world, members, me, plan.moves, plan.copies)
+    written = become_whole(engine.model, arena, engine.variants, state.membership)
+    pages = plan.pages[rank]
+    arena.ledger.reset_kv({pages[b]: refs[b] for b in pages})
+    engine.serve_alone(lambda table: [pages[b] for b in table],
+                       lambda seq: all(targets[b] == rank for b in seq.block_table), handed.get(rank, []))
+    log.info("executor %s: split from %s: %d blocks kept, %d head moves, %d copies, %d FFN bytes refilled", me,
+             member.plan.id, len(pages), len(plan.moves), len(plan.copies), written)
+
+
+def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
+    """The leader's: which member serves each live block's sequence from now on, the blocks' reference counts,
+    and the sequences each other member takes (packed, block tables in instance block ids)."""
+    origin = member.merged_state.origin
+    load = [0] * len(member.plan.members)
+    where: dict[str, int] = {}
+    seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+    for seq in seqs:
+        if seq.request_id not in where:
+            where[seq.request_id] = origin.get(seq.request_id, min(range(len(load)), key=load.__getitem__))
+        load[where[seq.request_id]] += len(seq.block_table)
+    targets = {b: where[s.request_id] for s in seqs for b in s.block_table}
+    handed: dict[int, list[dict]] = {}
+    for seq in seqs:
+        if where[seq.request_id] != 0:
+            handed.setdefault(where[seq.request_id], []).append(engine.pack_sequence(seq))
+    return {"targets": targets, "refs": {b: member.blocks.refcount(b) for b in targets}, "handed": handed}
+
+
+def exchange_heads(arena, world: World, members: list[str], me: str, moves: list[HeadMove],
+                   copies: list[HeadMove] = ()) -> None:
+    """Send and receive the heads `moves` names and copy those `copies` names inside this member: every
+    source read before anything is written."""
     units = arena.kv_cache.view(-1, *arena.kv_cache.shape[2:])
     rank = members.index(me)
+    own = [m for m in copies if m.src == rank]
+    local = (torch.tensor([m.dst_unit for m in own]), units[torch.tensor([m.src_unit for m in own])].clone()) \
+        if own else None
     by_pair: dict[tuple[int, int], list] = {}
     for m in moves:
         by_pair.setdefault((m.src, m.dst), []).append(m)
@@ -105,5 +182,7 @@ def exchange_heads(arena, world: World, members: list[str], me: str, moves: list
             dist.broadcast(buffer, world.rank_of(members[src]), group=world.group((members[src], members[dst])))
         if rank == dst:
             received.append((torch.tensor([m.dst_unit for m in ms]), buffer))
+    if local is not None:
+        received.append(local)
     for index, data in received:
         units[index] = data

@@ -126,6 +126,22 @@ class PageLedger:
         self._free.discard(page)  # its stale heap entry is skipped by allocate
         self._refcount[page] = 1
 
+    def reset_kv(self, used: dict[int, int]) -> None:
+        """Every KV page free but those in `used` (page -> refcount): the KV was rearranged wholesale (a TP
+        split puts blocks back in pages the merged instance addressed by head unit)."""
+        for page in used:
+            self._check_page(page)
+            if self._slot_of[page] is not None or page in self._absent:
+                raise LedgerError(f"page {page} cannot hold KV: it is in a slot or withdrawn")
+        for page in range(self.num_pages):
+            if self._slot_of[page] is None and page not in self._absent:
+                self._refcount[page] = used.get(page, 0)
+                if page in used:
+                    self._free.discard(page)
+                else:
+                    self._free.add(page)
+        self._rebuild_heap()
+
     def allocate_outside(self, avoid: Container[int]) -> int:
         """Take one free KV page that is not in `avoid` (where KV must move out of, not into)."""
         skipped = []

@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                         "one instance without operations vs CoCoServe scaling over a request-rate sweep"),
     "bench-reshape": ("services.executor.tools.bench_reshape",
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
+    "bench-amoebas": ("services.executor.tools.bench_amoebas",
+                      "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
     "profile": ("services.executor.tools.profile",
                 "rank decoder layers by importance (LIS) into a swap order; --speedup: fit the speed-up model"),
     "eval": ("services.executor.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),

@@ -71,7 +71,7 @@ def cut_layer(views: dict[str, torch.Tensor], pieces: int, kept: range, slot_bas
     dropped = []  # a kept run is contiguous inside its tensor: what was cut lies before and after it
     for name, view in views.items():
         (a, b), (ka, kb) = byte_span(view), byte_span(kept_views[name])
-        dropped += [(a, ka), (kb, b)]
+        dropped += [(lo, hi) for lo, hi in ((a, ka), (kb, b)) if lo < hi]
 
     def touched(page: int, by: list[tuple[int, int]]) -> bool:
         start = slot_base + page * page_bytes

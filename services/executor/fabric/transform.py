@@ -19,6 +19,7 @@ the FFN from the host variants (merge.become_whole) and serve alone again.
 """
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,7 @@ class MergedState:
     home: dict[int, tuple[int, int]]  # instance block id -> (member, page) it had before the merge
     spare_units: set[int]  # this member's units that no block id maps to
     origin: dict[str, int]  # request id -> the member it came from (the leader's record)
+    report: dict  # what the merge did and how long each part took, here
 
 
 def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instance_id: str) -> InstanceMember:
@@ -56,6 +58,7 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     rank, tp = members.index(me), len(members)
     group = world.group(members)
     model, arena = engine.model, engine.arena
+    clock = Clock()
 
     def all_reduce(partial: torch.Tensor) -> torch.Tensor:
         with checked(f"instance {instance_id}: all-reducing a TP shard's output"):
@@ -63,6 +66,7 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
         return partial
 
     membership = become_member(model, arena, engine.variants, tp, rank, all_reduce)
+    clock.lap("ffn_s")
     seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
     ledger = arena.ledger
     mine = {"blocks": {p: ledger.refcount(p) for s in seqs for p in s.block_table},
@@ -71,12 +75,15 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     everyone: list[dict] = [None] * tp  # type: ignore[list-item]
     with checked(f"instance {instance_id}: sharing what each member holds"):
         dist.all_gather_object(everyone, mine, group=group)
+    clock.lap("share_s")
 
     heads_per_page = arena.kv_cache.shape[1]
     member_heads = [s.kv for s in head_shards(model.cfg.num_heads, model.cfg.num_kv_heads, tp)]
     blocks = [{(r, p): p for p in e["blocks"]} for r, e in enumerate(everyone)]
     plan = plan_merge(heads_per_page, member_heads, blocks, [e["free"] for e in everyone], names=members)
-    exchange_heads(arena, world, members, me, plan.moves)
+    clock.lap("plan_s")
+    moved = exchange_heads(arena, world, members, me, plan.moves)
+    clock.lap("kv_s")
 
     names = sorted((name for own in blocks for name in own), key=str)
     block_id = {name: i for i, name in enumerate(names)}
@@ -88,9 +95,12 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     instance = InstancePlan(id=instance_id, leader=members[0], members=list(members), tp=tp,
                             layers=[LayerPlan(placement=list(members), bits=16 if b == model.full_bits else b)
                                     for b in model.layer_bits])
+    report = dict(live_blocks=len(names), blocks=capacity, head_moves=len(plan.moves), **moved,
+                  ffn_pages_freed=sum(map(len, membership.freed.values())), boundary_pages=membership.boundary_pages,
+                  **clock.laps)
     state = MergedState(membership, member_heads, {block_id[name]: name for name in names}, set(pool.free),
                         {} if rank else {s.request_id: 0 for s in seqs} | {
-                            p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]})
+                            p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]}, report)
     member = InstanceMember.merged(world, instance, me, engine, torch.tensor(units, dtype=torch.int64), capacity,
                                    state)
     if rank == 0:
@@ -103,16 +113,18 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
                              [(r, s) for r, e in enumerate(everyone) for s in e["seqs"]])
     else:
         engine.hand_over()
-    log.info("executor %s: merged into %s (TP%d, rank %d): %d live blocks, %d in all; %d head moves", me,
-             instance_id, tp, rank, len(names), capacity, len(plan.moves))
+    report.update(clock.laps, total_s=clock.total())
+    log.info("executor %s: merged into %s (TP%d, rank %d): %s", me, instance_id, tp, rank, report)
     return member
 
 
-def split(engine: "LLMEngine", member: InstanceMember) -> None:
+def split(engine: "LLMEngine", member: InstanceMember) -> dict:
     """Split the merged instance `member` belongs to back into executors that serve alone (every member
-    calls this; the leader first, which starts it with a SPLIT step)."""
+    calls this; the leader first, which starts it with a SPLIT step). Returns what it did and how long each
+    part took, here."""
     members, me, world, state = member.plan.members, member.me, member.world, member.merged_state
     rank, arena = members.index(me), engine.arena
+    clock = Clock()
     decision = [None]
     if member.is_leader:
         member.send_step(wire.StepPlan(wire.SPLIT))
@@ -127,17 +139,23 @@ def split(engine: "LLMEngine", member: InstanceMember) -> None:
     everyone: list[dict] = [None] * len(members)  # type: ignore[list-item]
     with checked(f"instance {member.plan.id}: sharing the split's free units"):
         dist.all_gather_object(everyone, mine, group=member.group)
+    clock.lap("share_s")
     plan = plan_split(arena.kv_cache.shape[1], state.member_heads, [e["units"] for e in everyone],
                       [e["free"] for e in everyone], targets, state.home, [e["reserved"] for e in everyone],
                       names=members)
-    exchange_heads(arena, world, members, me, plan.moves, plan.copies)
+    clock.lap("plan_s")
+    moved = exchange_heads(arena, world, members, me, plan.moves, plan.copies)
+    clock.lap("kv_s")
     written = become_whole(engine.model, arena, engine.variants, state.membership)
+    clock.lap("ffn_s")
     pages = plan.pages[rank]
     arena.ledger.reset_kv({pages[b]: refs[b] for b in pages})
     engine.serve_alone(lambda table: [pages[b] for b in table],
                        lambda seq: all(targets[b] == rank for b in seq.block_table), handed.get(rank, []))
-    log.info("executor %s: split from %s: %d blocks kept, %d head moves, %d copies, %d FFN bytes refilled", me,
-             member.plan.id, len(pages), len(plan.moves), len(plan.copies), written)
+    report = dict(blocks_kept=len(pages), head_moves=len(plan.moves), head_copies=len(plan.copies), **moved,
+                  ffn_bytes_refilled=written, **clock.laps, total_s=clock.total())
+    log.info("executor %s: split from %s: %s", me, member.plan.id, report)
+    return report
 
 
 def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
@@ -160,9 +178,9 @@ def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
 
 
 def exchange_heads(arena, world: World, members: list[str], me: str, moves: list[HeadMove],
-                   copies: list[HeadMove] = ()) -> None:
+                   copies: list[HeadMove] = ()) -> dict:
     """Send and receive the heads `moves` names and copy those `copies` names inside this member: every
-    source read before anything is written."""
+    source read before anything is written. Returns the bytes sent and received, and those the buffers took."""
     units = arena.kv_cache.view(-1, *arena.kv_cache.shape[2:])
     rank = members.index(me)
     own = [m for m in copies if m.src == rank]
@@ -186,3 +204,23 @@ def exchange_heads(arena, world: World, members: list[str], me: str, moves: list
         received.append(local)
     for index, data in received:
         units[index] = data
+    unit_bytes = units[0].numel() * units.element_size()
+    return {"kv_bytes_sent": unit_bytes * sum(len(b) for b in outgoing.values()),
+            "kv_bytes_received": unit_bytes * sum(len(i) for i, _ in received),
+            "buffer_bytes": unit_bytes * (sum(len(b) for b in outgoing.values()) + sum(len(i) for i, _ in received))}
+
+
+class Clock:
+    """Seconds per named part of a transformation, in order."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start

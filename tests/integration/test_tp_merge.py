@@ -17,8 +17,10 @@ from shared.plans import instance_plans
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 
-PROMPTS = ["The quick brown fox", "In 1990 the city of", "Hello there, how are you", "A B C D E F G H I J K",
-           "Rain fell on the roof all night"]
+# exec0's two prompts are the longer: more blocks there, so the split gives the request that arrived merged
+# (r4) to exec1.
+PROMPTS = ["A B C D E F G H I J K L M N O P Q R S T U V W", "Hello there, how are you today, my old friend and",
+           "The quick brown fox", "In 1990 the city of", "Rain fell on the roof all night"]
 NEW_TOKENS = 30
 STEPS_ALONE = 3
 STEPS_MERGED = 9  # past a block boundary: new blocks by head unit
@@ -60,8 +62,11 @@ def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, afte
 
 
 def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_request_keeps_its_tokens(tmp_path):
+    # Four sequences at once: the request added to the merged instance waits there, with no blocks, until the
+    # split hands it to a member.
     config = EngineConfig(model=str(write_tiny_llama3(tmp_path / "tiny")), memory_budget=4 << 20, block_size=8,
-                          max_model_len=128, prepare_variants=True, variant_cache_dir=str(tmp_path / "variants"))
+                          max_model_len=128, max_num_seqs=4, prepare_variants=True,
+                          variant_cache_dir=str(tmp_path / "variants"))
     params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS, params)]
 
@@ -86,8 +91,9 @@ def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_reques
         for _ in range(STEPS_MERGED):
             _step(engine, out)
         blocks = member.num_blocks
+        assert [s.request_id for s in engine.scheduler.waiting] == ["r4"]
         split(engine, member)
-        assert engine.member is None and {"r0", "r1"} <= set(engine._requests) <= {"r0", "r1", "r4"}
+        assert engine.member is None and set(engine._requests) == {"r0", "r1"}  # r4 went to exec1, the less loaded
         while engine.has_unfinished():
             _step(engine, out)
         alone = after.get(timeout=TIMEOUT_S)

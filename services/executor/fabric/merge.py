@@ -44,6 +44,20 @@ class Membership:
     reduce_before: Callable[[torch.Tensor], torch.Tensor]
 
 
+def cut_pages(model: DecoderModel, arena: Arena, tp: int, rank: int) -> list[int]:
+    """The slot pages become_member would free, changing nothing: a merge plans its KV with them before it
+    cuts, so that a merge that does not fit is refused with nothing done."""
+    kept, pages = piece_range(model.cfg.ffn_pieces, tp, rank), []
+    for layer, views in enumerate(model.layers):
+        if views is not None:
+            slot = arena.slot_range(layer)
+            held = [p - slot.start for p in slot if arena.ledger.slot_of(p) == layer]
+            cut = cut_layer(views, model.cfg.ffn_pieces, kept, arena.buffer.data_ptr() + slot.start * arena.page_bytes,
+                            arena.page_bytes, held)
+            pages += [slot.start + p for p in cut.freed]
+    return pages
+
+
 def become_member(model: DecoderModel, arena: Arena, store: VariantStore, tp: int, rank: int,
                   reduce: Callable[[torch.Tensor], torch.Tensor]) -> Membership:
     """Make `model` (which holds whole layers) compute as member `rank` of a TP-`tp` instance. `store` holds

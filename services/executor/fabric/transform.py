@@ -2,10 +2,11 @@
 steps, with the running requests keeping their tokens and their KV (§3.1-3.3).
 
 Every member, at a step boundary, in the members' group:
-1. cuts its FFN in place (merge.become_member: FFN first);
-2. tells the others its live blocks, its free pages and (the followers) its sequences;
-3. computes the same KV head plan (kv_heads.plan_merge) and sends the heads it keeps no more to their owners,
-   reading every source before it writes;
+1. tells the others its live blocks, its free pages (with those its FFN cut will free) and (the followers)
+   its sequences, and computes the same KV head plan (kv_heads.plan_merge): where it does not fit, every
+   member refuses alike (KvPlanError) with nothing changed;
+2. cuts its FFN in place (merge.become_member: FFN first), then sends the heads it keeps no more to their
+   owners, reading every source before it writes;
 4. numbers the instance's blocks the same way everywhere (live ones first, in name order), maps each to a
    head unit per local KV head, and backs as many more as the member with the fewest free units can;
 5. the first member leads: its engine takes every sequence, with block tables in instance block ids, and
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from services.executor.fabric import step as wire
 from services.executor.fabric.kv_heads import HeadMove, UnitPool, plan_merge, plan_split
 from services.executor.fabric.member import InstanceMember
-from services.executor.fabric.merge import Membership, become_member, become_whole
+from services.executor.fabric.merge import Membership, become_member, become_whole, cut_pages
 from services.executor.fabric.shards import head_shards
 from services.executor.fabric.world import World, checked
 from shared.messages import InstancePlan, LayerPlan
@@ -65,12 +66,10 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
             dist.all_reduce(partial, group=group)
         return partial
 
-    membership = become_member(model, arena, engine.variants, tp, rank, all_reduce)
-    clock.lap("ffn_s")
     seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
     ledger = arena.ledger
     mine = {"blocks": {p: ledger.refcount(p) for s in seqs for p in s.block_table},
-            "free": ledger.free_pages(),
+            "free": ledger.free_pages() + cut_pages(model, arena, tp, rank),
             "seqs": [] if rank == 0 else engine.export_sequences()}
     everyone: list[dict] = [None] * tp  # type: ignore[list-item]
     with checked(f"instance {instance_id}: sharing what each member holds"):
@@ -82,6 +81,8 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     blocks = [{(r, p): p for p in e["blocks"]} for r, e in enumerate(everyone)]
     plan = plan_merge(heads_per_page, member_heads, blocks, [e["free"] for e in everyone], names=members)
     clock.lap("plan_s")
+    membership = become_member(model, arena, engine.variants, tp, rank, all_reduce)
+    clock.lap("ffn_s")
     moved = exchange_heads(arena, world, members, me, plan.moves)
     clock.lap("kv_s")
 
@@ -121,7 +122,8 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
 def split(engine: "LLMEngine", member: InstanceMember) -> dict:
     """Split the merged instance `member` belongs to back into executors that serve alone (every member
     calls this; the leader first, which starts it with a SPLIT step). Returns what it did and how long each
-    part took, here."""
+    part took, here. Where the KV does not fit, every member raises KvPlanError alike before anything moved,
+    and the instance stays merged."""
     members, me, world, state = member.plan.members, member.me, member.world, member.merged_state
     rank, arena = members.index(me), engine.arena
     clock = Clock()
@@ -131,7 +133,7 @@ def split(engine: "LLMEngine", member: InstanceMember) -> dict:
         decision = [_split_decision(engine, member)]
     with checked(f"instance {member.plan.id}: sharing the split's decision"):
         dist.broadcast_object_list(decision, world.rank_of(member.leader), group=member.group)
-    targets, refs, handed = decision[0]["targets"], decision[0]["refs"], decision[0]["handed"]
+    targets, refs, handed, where = (decision[0][k] for k in ("targets", "refs", "handed", "where"))
     live = set(targets)
     mine = {"units": {b: member.page_of[b] for b in live},
             "free": state.spare_units | {u for b, us in enumerate(member.page_of) if b not in live for u in us},
@@ -151,7 +153,7 @@ def split(engine: "LLMEngine", member: InstanceMember) -> dict:
     pages = plan.pages[rank]
     arena.ledger.reset_kv({pages[b]: refs[b] for b in pages})
     engine.serve_alone(lambda table: [pages[b] for b in table],
-                       lambda seq: all(targets[b] == rank for b in seq.block_table), handed.get(rank, []))
+                       lambda seq: where[seq.request_id] == rank, handed.get(rank, []))
     report = dict(blocks_kept=len(pages), head_moves=len(plan.moves), head_copies=len(plan.copies), **moved,
                   ffn_bytes_refilled=written, **clock.laps, total_s=clock.total())
     log.info("executor %s: split from %s: %s", me, member.plan.id, report)
@@ -174,7 +176,8 @@ def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
     for seq in seqs:
         if where[seq.request_id] != 0:
             handed.setdefault(where[seq.request_id], []).append(engine.pack_sequence(seq))
-    return {"targets": targets, "refs": {b: member.blocks.refcount(b) for b in targets}, "handed": handed}
+    return {"targets": targets, "refs": {b: member.blocks.refcount(b) for b in targets}, "handed": handed,
+            "where": where}
 
 
 def exchange_heads(arena, world: World, members: list[str], me: str, moves: list[HeadMove],

@@ -6,10 +6,10 @@ is aborted or passes its deadline.
 """
 
 import itertools
-from collections.abc import Callable
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

@@ -84,6 +84,7 @@ class InstanceMember:
         self.kv_free, self.kv_used = self.blocks.num_free, 0  # a follower's copy of the leader's counts
         self.broken = False
         self.last_sent = time.monotonic()
+        self.merged_state = None  # an instance merged at run time keeps what its split needs here
         log.info("executor %s: member of instance %s (%s, layers %s), %d KV blocks of %d tokens", me, plan.id,
                  self.shard.describe(), held, blocks, config.block_size)
 
@@ -91,8 +92,9 @@ class InstanceMember:
     def merged(cls, world: World, plan: InstancePlan, me: str, engine, units: torch.Tensor, capacity: int,
                merged) -> "InstanceMember":
         """This executor's member of an instance merged at run time (fabric/transform.py) out of the engine
-        that served alone: its model and arena as they are (cut by `membership`), KV by head unit (`units`:
-        a row of units per instance block, `capacity` blocks); `merged` is what its split needs to know."""
+        that served alone: its model and arena as they are (cut by merge.become_member), KV by head unit
+        (`units`: a row of units per instance block, `capacity` blocks); `merged` (transform.MergedState) is
+        what its split needs to know."""
         self = cls.__new__(cls)
         self.world, self.me, self.leader, self.is_leader = world, me, plan.leader, me == plan.leader
         self.device = torch.device(engine.config.device)

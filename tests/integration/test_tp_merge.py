@@ -38,14 +38,21 @@ def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
         out.setdefault(d.request_id, []).extend(d.token_ids)
 
 
-def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, after) -> None:
-    world = _join(config, url, 1)
+def _alone_first(config: EngineConfig, params: SamplingOptions, requests: tuple[int, ...]
+                 ) -> tuple[LLMEngine, dict[str, list[int]]]:
+    """An engine serving alone, `STEPS_ALONE` steps into `requests`, and the tokens they have so far."""
     engine = LLMEngine(config, progress=False)
-    for i in (2, 3):
+    for i in requests:
         engine.add_request(f"r{i}", PROMPTS[i], params)
     out: dict[str, list[int]] = {}
     for _ in range(STEPS_ALONE):
         _step(engine, out)
+    return engine, out
+
+
+def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, after) -> None:
+    world = _join(config, url, 1)
+    engine, out = _alone_first(config, params, (2, 3))
     before.put(out)
     member = merge(engine, world, ["exec0", "exec1"], "exec1", "m0")
     try:
@@ -77,12 +84,7 @@ def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_reques
     follower.start()
     world = _join(config, url, 0)
     try:
-        engine = LLMEngine(config, progress=False)
-        for i in (0, 1):
-            engine.add_request(f"r{i}", PROMPTS[i], params)
-        out: dict[str, list[int]] = {}
-        for _ in range(STEPS_ALONE):
-            _step(engine, out)
+        engine, out = _alone_first(config, params, (0, 1))
         member = merge(engine, world, ["exec0", "exec1"], "exec0", "m0")
         assert member.is_leader and member.plan.tp == 2 and engine.member is member
         for rid, tokens in before.get(timeout=TIMEOUT_S).items():

@@ -12,7 +12,7 @@ Splitting, KV first (kv_heads.plan_split, with the pages the cut freed reserved)
 takes those pages back and the pieces it dropped are refilled from the host variants at the layer's bits.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from services.executor.engine.memory.arena import Arena
 from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
 from services.executor.engine.morphing.variants import VariantStore
-from services.executor.fabric.ffn_cut import cut_layer, piece_range, shard_views
+from services.executor.fabric.ffn_cut import Cut, cut_layer, piece_range, shard_views
 from services.executor.fabric.shards import HeadShard, head_shards
 
 
@@ -44,18 +44,23 @@ class Membership:
     reduce_before: Callable[[torch.Tensor], torch.Tensor]
 
 
+def layer_cuts(model: DecoderModel, arena: Arena, kept: range) -> Iterator[tuple[int, Cut, list[int]]]:
+    """For every held layer: its cut to the FFN pieces `kept`, and the arena pages that cut frees."""
+    for layer, views in enumerate(model.layers):
+        if views is None:
+            continue
+        slot = arena.slot_range(layer)
+        held = [p - slot.start for p in slot if arena.ledger.slot_of(p) == layer]
+        cut = cut_layer(views, model.cfg.ffn_pieces, kept, arena.buffer.data_ptr() + slot.start * arena.page_bytes,
+                        arena.page_bytes, held)
+        yield layer, cut, [slot.start + p for p in cut.freed]
+
+
 def cut_pages(model: DecoderModel, arena: Arena, tp: int, rank: int) -> list[int]:
     """The slot pages become_member would free, changing nothing: a merge plans its KV with them before it
     cuts, so that a merge that does not fit is refused with nothing done."""
-    kept, pages = piece_range(model.cfg.ffn_pieces, tp, rank), []
-    for layer, views in enumerate(model.layers):
-        if views is not None:
-            slot = arena.slot_range(layer)
-            held = [p - slot.start for p in slot if arena.ledger.slot_of(p) == layer]
-            cut = cut_layer(views, model.cfg.ffn_pieces, kept, arena.buffer.data_ptr() + slot.start * arena.page_bytes,
-                            arena.page_bytes, held)
-            pages += [slot.start + p for p in cut.freed]
-    return pages
+    kept = piece_range(model.cfg.ffn_pieces, tp, rank)
+    return [page for _, _, pages in layer_cuts(model, arena, kept) for page in pages]
 
 
 def become_member(model: DecoderModel, arena: Arena, store: VariantStore, tp: int, rank: int,
@@ -68,15 +73,8 @@ def become_member(model: DecoderModel, arena: Arena, store: VariantStore, tp: in
     heads = head_shards(cfg.num_heads, cfg.num_kv_heads, tp)[rank]
     freed: dict[int, list[int]] = {}
     boundary = 0
-    for layer, views in enumerate(model.layers):
-        if views is None:
-            continue
-        slot = arena.slot_range(layer)
-        held = [p - slot.start for p in slot if arena.ledger.slot_of(p) == layer]
-        cut = cut_layer(views, cfg.ffn_pieces, kept, arena.buffer.data_ptr() + slot.start * arena.page_bytes,
-                        arena.page_bytes, held)
+    for layer, cut, pages in list(layer_cuts(model, arena, kept)):
         model.layers[layer] = cut.views
-        pages = [slot.start + p for p in cut.freed]
         for run in runs(pages):
             arena.ledger.release_slot_pages(layer, run)
         freed[layer], boundary = pages, boundary + cut.boundary_pages

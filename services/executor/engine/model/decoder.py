@@ -244,6 +244,18 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [S] int64 rows whose next token is sampled
 
 
+def head_batch(batch: ForwardBatch, head: int) -> ForwardBatch:
+    """Of a batch in head units (a trailing dimension over the local KV heads), the slots and tables of one."""
+    return ForwardBatch(
+        input_ids=batch.input_ids, positions=batch.positions,
+        slot_mapping=batch.slot_mapping[:, head].contiguous(),
+        decodes=[DecodeGroup(g.row, g.length, g.block_tables[..., head].contiguous(), g.context_lens)
+                 for g in batch.decodes],
+        prefills=[PrefillChunk(p.row, p.length, p.block_table[..., head].contiguous(), p.context_start)
+                  for p in batch.prefills],
+        logits_rows=batch.logits_rows)
+
+
 class DecoderModel:
     def __init__(self, cfg: ModelConfig, arena: Arena, checkpoint: Checkpoint, dtype: torch.dtype,
                  device: torch.device | str, max_positions: int, progress: bool = True,
@@ -294,6 +306,8 @@ class DecoderModel:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         kv_cache = self.arena.kv_cache
+        # Head units: the batch's slots and tables name a unit per local KV head; one batch per head, once.
+        per_head = None if self.kv_units is None else [head_batch(batch, j) for j in range(batch.slot_mapping.shape[1])]
         for index in layers:
             w, bits = self.layers[index], self.layer_bits[index]
             if self.layer_ready[index] is not None:  # a swap's copy into this slot: wait for it, once
@@ -302,13 +316,12 @@ class DecoderModel:
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
             q, k, v = self._heads(linear(h, w, "qkv_proj", bits, w.get("qkv_bias")))
             q, k, v = rotate(q, cos, sin), rotate(k, cos, sin), v
-            if self.kv_units is None:
+            if per_head is None:
                 attn = self._attention(q, k, v, kv_cache, index, batch)
             else:
                 group = q.shape[1] // k.shape[1]
                 attn = torch.cat([self._attention(q[:, j * group:(j + 1) * group], k[:, j:j + 1], v[:, j:j + 1],
-                                                  self.kv_units, index, batch, j) for j in range(k.shape[1])],
-                                 dim=1)
+                                                  self.kv_units, index, b) for j, b in enumerate(per_head)], dim=1)
             x = x + self.reduce(linear(self._o_input(attn.reshape(n, -1)), w, "o_proj", bits))
             h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
             x = x + self.reduce(mlp(h, w, bits, self.ffn_width))
@@ -338,18 +351,14 @@ class DecoderModel:
         return full
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, index: int,
-                   batch: ForwardBatch, head: int | None = None) -> torch.Tensor:
-        """Write the rows' K and V at their slots and attend; with `head`, the batch's slots and tables have a
-        trailing dimension over the local KV heads (head units: `kv_units`) and `head` picks one."""
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if head is None else t[..., head].contiguous()
-
-        write_kv(k, v, kv_cache, index, pick(batch.slot_mapping))
-        parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, pick(g.block_tables),
+                   batch: ForwardBatch) -> torch.Tensor:
+        """Write the rows' K and V at their slots and attend."""
+        write_kv(k, v, kv_cache, index, batch.slot_mapping)
+        parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, g.block_tables,
                                         g.context_lens, self.scale) for g in batch.decodes]
         for p in batch.prefills:
             rows = slice(p.row, p.row + p.length)
-            parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, pick(p.block_table),
+            parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,
                                            p.context_start, self.scale))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 

@@ -29,7 +29,7 @@ import httpx
 from shared.plans import alone
 
 BITS_ACTIONS = ("quantize", "restore")
-INSTANCE_ACTIONS = ("replicate", "migrate", "evict", "batch")
+INSTANCE_ACTIONS = ("replicate", "migrate", "evict", "batch", "tp_merge", "tp_split")
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_VARIABLE = "MORPHLING_URL"  # `morphling up` prints the line that exports it
 TIMEOUT_S = 120.0  # a morph waits for the executors to apply it, which a busy CPU executor makes slow
@@ -236,21 +236,26 @@ def morph_body(args: argparse.Namespace) -> dict:
     if args.action in BITS_ACTIONS and layers is not None and len(layers) == 1:
         layers = layers[0]  # quantize and restore take a count
     given = {"executor": args.executor, "action": args.action, "instance": args.instance, "layers": layers,
-             "bits": args.bits, "from": args.source, "to": args.to, "max_num_seqs": args.max_num_seqs}
+             "bits": args.bits, "from": args.source, "to": args.to, "max_num_seqs": args.max_num_seqs,
+             "executors": args.executors}
     return {name: value for name, value in given.items() if value is not None}
 
 
 def morph_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="morphling morph", description="morph the cluster through a gateway, "
                                      "answered once the executors applied it: quantize or restore an executor's "
-                                     "layers, or replicate, migrate or evict an instance's layers, or cap its batch",
+                                     "layers, or replicate, migrate or evict an instance's layers, or cap its batch, "
+                                     "or merge executors into a TP instance and split it back",
                                      epilog="e.g. --action replicate --instance i0 --layers 0 14 --to exec1; "
-                                            "--action batch --instance i-exec0 --max-num-seqs 8")
+                                            "--action batch --instance i-exec0 --max-num-seqs 8; "
+                                            "--action tp_merge --executors exec0 exec1; "
+                                            "--action tp_split --instance tp-exec0-exec1")
     _common(parser)
     parser.add_argument("--action", required=True, choices=(*BITS_ACTIONS, *INSTANCE_ACTIONS))
     parser.add_argument("--executor", help="quantize, restore: an executor id, or '*' for every live executor")
-    parser.add_argument("--instance", help="replicate, migrate, evict, batch: an instance id (i-<executor> for a "
-                                           "standalone executor; see `morphling status --instances`)")
+    parser.add_argument("--instance", help="replicate, migrate, evict, batch, tp_split: an instance id "
+                                           "(i-<executor> for a standalone executor; see `morphling status "
+                                           "--instances`)")
     parser.add_argument("--layers", nargs="+", type=int, metavar="N",
                         help="quantize, restore: how many layers (quantize: next full-precision ones in the swap "
                              "order; restore: the last quantized first); replicate, migrate, evict: the range "
@@ -260,6 +265,8 @@ def morph_main(argv: list[str]) -> int:
     parser.add_argument("--from", dest="source", metavar="EXECUTOR",
                         help="migrate, evict: the member that gives the layers up")
     parser.add_argument("--max-num-seqs", type=int, help="batch: the sequences the instance runs at once")
+    parser.add_argument("--executors", nargs="+", metavar="EXECUTOR",
+                        help="tp_merge: the executors serving alone that merge (2, or 4), the first leading")
     args = parser.parse_args(argv)
     if args.action in BITS_ACTIONS:
         if args.executor is None:

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("services.monitor.service", "turns executor telemetry into the cluster state"),
     "controller": ("services.controller.service",
                    "morphs under load and back after: quantizes layers (MorphServe); replicates, migrates, "
-                   "evicts and caps the batch (CoCoServe)"),
+                   "evicts and caps the batch (CoCoServe); splits TP merges nothing needs (AMOEBAs)"),
     "bench-engine": ("services.executor.tools.bench_engine",
                      "offline generation throughput: our engine vs transformers.generate"),
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
@@ -29,11 +29,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
     "bench-amoebas": ("services.executor.tools.bench_amoebas",
                       "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
+    "bench-hybrid": ("services.bench.hybrid",
+                     "AMOEBAs' scheduler vs round-robin vs least-load-first on short and long requests (Fig. 12)"),
     "profile": ("services.executor.tools.profile",
                 "rank decoder layers by importance (LIS) into a swap order; --speedup: fit the speed-up model"),
     "eval": ("services.executor.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
     "morph": ("services.admin_cli:morph_main",
-              "by hand through a gateway: quantize or restore layers, replicate, migrate or evict them, cap the batch"),
+              "by hand through a gateway: quantize or restore layers, replicate, migrate or evict them, cap the batch, "
+              "merge executors into a TP instance and split it"),
     "status": ("services.admin_cli:status_main", "the cluster as a gateway sees it: load, KV pages, layer bits"),
     "events": ("services.events_cli", "what the controller and the monitor decided, and why, from the event stream"),
 }

@@ -111,6 +111,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--failover-timeout", type=seconds(), metavar="SECONDS",
                     help="how long the gateway tries to continue a stream on another executor when its executor "
                          "dies (its default 10)")
+    ap.add_argument("--tp-scheduler", choices=("amoebas", "rr", "llf", "off"),
+                    help="with several executors: where requests go and which executors merge into a TP instance "
+                         "for a request none holds alone (AMOEBAs; rr and llf are its baselines, round-robin and "
+                         "least-load-first; off: no merges). The gateway's default amoebas")
     shape = ap.add_mutually_exclusive_group()
     shape.add_argument("--tp", type=int, metavar="K",
                        help="consecutive executors form instances of tensor-parallel degree K (K divides --executors; "
@@ -209,7 +213,7 @@ def world_args(args: argparse.Namespace, index: int, dist_url: str | None) -> li
 
 def gateway_args(args: argparse.Namespace, nats_url: str) -> list[str]:
     return ["--nats", nats_url, "--host", args.host, "--port", str(args.port),
-            *_given(args, "bus_outage", "failover_timeout")]
+            *_given(args, "bus_outage", "failover_timeout", "tp_scheduler")]
 
 
 def _report_death(child: Child) -> None:

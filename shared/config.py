@@ -84,6 +84,9 @@ class EngineConfig:
     memory_budget: int = parse_size("1GiB")  # bytes of the page arena (weights of the decoder layers + KV)
     block_size: int = 16  # tokens per KV block (= per page)
     max_model_len: int | None = None  # None: the model's own context length
+    # KV tokens the arena must hold beside the weights; None: one sequence of max_model_len. An executor in a
+    # world of several may hold less: a TP merge holds the longest sequence (AMOEBAs; process.cluster_check).
+    min_kv_tokens: int | None = None
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
     max_waiting: int = 256  # bounded waiting queue; a full queue rejects at admission
@@ -127,8 +130,16 @@ class GatewayConfig:
     # MORPHLING_BUS_OUTAGE_S: once the bus has been gone this long, requests in flight end (503
     # bus_unavailable) instead of waiting for a reconnect; new ones are refused at once while it is gone.
     bus_outage_s: float = 3.0
+    # AMOEBAs (§3.3): how requests are placed and which instances merge for one that fits nowhere: amoebas
+    # (the paper's scheduler), rr or llf (its baselines: round-robin, least-load-first), off (no merges: a
+    # request no instance holds is a 503). A merged instance whose long requests are done takes no new ones
+    # until this share of its KV is free, and then splits (the controller sends the split).
+    tp_scheduler: str = "amoebas"
+    split_free_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.tp_scheduler not in ("amoebas", "rr", "llf", "off"):
+            raise ValueError(f"tp_scheduler must be amoebas, rr, llf or off, got {self.tp_scheduler!r}")
         if self.stream_buffer < 1:
             raise ValueError(f"stream_buffer must be at least 1 delta, got {self.stream_buffer}")
         if not self.bus_outage_s > 0:
@@ -239,3 +250,9 @@ class ControllerConfig:
     cocoserve_overrides: tuple[tuple[str, object], ...] = ()
     # The speed-up model's fitted costs (`morphling profile --speedup` JSON); None: speedup.DEFAULT_PROFILE.
     speedup_profile: str | None = None
+    # AMOEBAs' split (services/controller/policies/amoebas.py): a TP merge the gateway formed for long requests
+    # splits back once they are done and this share of its KV is free (GatewayConfig.split_free_fraction, which
+    # stops it taking new requests meanwhile, must be the same). On whatever the modes above: merging costs
+    # no quality, and a merge nothing needs only costs speed.
+    amoebas: bool = True
+    split_free_fraction: float = 0.5

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class Message(BaseModel):
@@ -55,6 +55,10 @@ ADMISSION_EXPIRED = "admission_expired"
 # ErrorInfo.code of a completion ended because the instance computing it lost a member: the gateway moves
 # a request that has streamed nothing yet to another instance, and ends one that has with this error.
 INSTANCE_BROKEN = "instance_broken"
+# ErrorInfo.code of an admission refused because the request's KV (prompt plus max_tokens, else up to
+# max_model_len) is more than the instance holds even empty: the gateway has instances merged for it
+# (AMOEBAs) instead of answering 400. The Admission's prompt_tokens says how long its prompt is.
+KV_CAPACITY = "kv_capacity"
 
 
 class ErrorInfo(Part):
@@ -170,6 +174,15 @@ class InstancePlan(Part):
     members: list[str] = Field(min_length=1)
     tp: int = Field(default=1, ge=1)
     layers: list[LayerPlan]
+    # Formed at run time by tp_merge (AMOEBAs) rather than planned: it splits back once its long requests end.
+    merged: bool = False
+
+
+class KvUnits(Part):
+    """KV head units an executor would hold outside its slots as a member of a TP-`tp` instance (AMOEBAs'
+    capacity: a block takes one unit per KV head a member holds; shared/tp_scheduler.py)."""
+    tp: int
+    units: int
 
 
 class RequestLatency(Part):
@@ -209,6 +222,13 @@ class ExecutorTelemetry(Message):
     spare_pages: int = 0
     pages_growth: int = 0  # KV pages the running sequences still take before they reach their max_tokens
     busy: float = 0.0  # share of the last second spent computing steps (leader: whole steps; member: its part)
+    # AMOEBAs: the executors it can merge with (its world; none outside one), its KV head units at each TP
+    # degree that world can form, and the KV blocks of the longest sequence its instance runs.
+    world: list[str] = Field(default_factory=list)
+    kv_units: list[KvUnits] = Field(default_factory=list)
+    longest_blocks: int = 0
+    kv_heads: int = 0  # the model's KV heads
+    merge_hold_s: float = 0.0  # a merged instance's leader: seconds before a split may be considered
 
 
 class SloWindow(Part):
@@ -317,8 +337,27 @@ class BatchArgs(CommandArgs):
     max_num_seqs: int = Field(ge=1)
 
 
+class TpMergeArgs(CommandArgs):
+    """AMOEBAs: merge the TP1 instances of `executors` (2 or 4, the first leads) into the TP instance
+    `instance`, between two steps, running requests keeping their KV. Every one of them gets this command
+    and takes its part; where the KV does not fit, all refuse alike and nothing changes."""
+    kind: ClassVar[str] = "tp_merge"
+    executors: list[str] = Field(min_length=2, max_length=4)
+    instance: str = Field(min_length=1)
+    # Seconds the instance stays merged whatever its load, so that the request it was merged for is admitted
+    # before anything could split it (the leader reports what is left as merge_hold_s).
+    hold_s: float = Field(default=10.0, ge=0)
+
+
+class TpSplitArgs(CommandArgs):
+    """AMOEBAs: split the merged instance `instance` back into TP1 instances (sent to its leader)."""
+    kind: ClassVar[str] = "tp_split"
+    instance: str
+
+
 COMMAND_ARGS: dict[str, type[CommandArgs]] = {a.kind: a for a in (PingArgs, DrainArgs, QuantizeArgs, RestoreArgs,
-                                                                   ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)}
+                                                                   ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs,
+                                                                   TpMergeArgs, TpSplitArgs)}
 
 
 class Command(Message):

@@ -17,12 +17,14 @@ head it holds (fabric/kv_heads.py); `Member.kv_units[k]` is how many units it ha
 cut leaves, so the instance holds min over members of units // heads of blocks.
 """
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.plans import FFN_PIECES
+from shared.messages import ClusterState
+from shared.plans import FFN_PIECES, leads
 
 MAX_TP = FFN_PIECES  # merges step TP1 -> TP2 -> TP4
 
@@ -45,6 +47,7 @@ class Instance:
     load: int  # requests running and waiting
     longest: int = 0  # blocks of the longest sequence it runs
     accepting: bool = True  # False while it drains towards a split
+    merged: bool = False  # formed by tp_merge: splits back once nothing needs it (split_due)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,16 @@ class Refuse:
 
 
 Decision = Route | Merge | Refuse
+
+
+def world_allows(world: list[str], members: tuple[str, ...] | list[str]) -> bool:
+    """Whether `members` can form one instance in the world of executors `world` (in rank order): any two,
+    four when they are consecutive ranks from a multiple of four (the subgroups fabric/world.py creates)."""
+    if len(set(members)) != len(members) or not set(members) <= set(world):
+        return False
+    ranks = sorted(world.index(m) for m in members)
+    return len(ranks) == 2 or (len(ranks) == MAX_TP and ranks == list(range(ranks[0], ranks[0] + MAX_TP))
+                               and ranks[0] % MAX_TP == 0)
 
 
 def heads_per_rank(kv_heads: int, tp: int) -> list[int]:
@@ -169,3 +182,28 @@ def split_due(instance: Instance, free_fraction: float = 0.5) -> str | None:
         return None
     total = instance.blocks_free + instance.blocks_used
     return "split" if total and instance.blocks_free >= free_fraction * total else "drain"
+
+
+def instances_from(state: ClusterState | None, model: str | None = None, free_fraction: float = 0.5
+                   ) -> list[Instance]:
+    """The instances of the cluster state that serve `model`, as decide() reads them: only those whose
+    executors all report their head units (they are in a world); a merged one draining towards its split
+    takes no new requests."""
+    executors = {e.executor: e for e in (state.executors if state else []) if e.alive}
+    out = []
+    for e in executors.values():
+        t = e.telemetry
+        if not leads(e) or t.draining or not t.kv_heads or (model is not None and t.model != model):
+            continue
+        names = t.plan.members if t.plan is not None else [e.executor]
+        if not all(n in executors and executors[n].telemetry.kv_units for n in names):
+            continue
+        members = tuple(Member(n, {u.tp: u.units for u in executors[n].telemetry.kv_units}) for n in names)
+        instance = Instance(t.plan.id if t.plan is not None else e.executor, len(names), members, t.kv_heads,
+                            t.block_size, t.kv.pages_free, t.kv.pages_used, t.running + t.waiting, t.longest_blocks)
+        merged = t.plan is not None and t.plan.merged
+        instance = dataclasses.replace(instance, merged=merged)
+        if merged and t.merge_hold_s <= 0 and split_due(instance, free_fraction) is not None:
+            instance = dataclasses.replace(instance, accepting=False)
+        out.append(instance)
+    return sorted(out, key=lambda i: i.id)

@@ -1,9 +1,10 @@
 """The controller process: follows the cluster state and sends the policies' commands.
 
-One policy, the ladder (policies/ladder.py): MorphServe's layer swapping (policies/morph.py, `--mode`)
-on every instance's leader, then CoCoServe's scale-down, and its scale-up on idle capacity
-(policies/cocoserve.py, `--cocoserve`) on instances of several executors. Both off runs the process with
-no policy at all rather than not running it, so that deployments, `morphling up` and the audit trail keep
+The ladder (policies/ladder.py): MorphServe's layer swapping (policies/morph.py, `--mode`) on every
+instance's leader, then CoCoServe's scale-down, and its scale-up on idle capacity (policies/cocoserve.py,
+`--cocoserve`) on instances of several executors; beside it, AMOEBAs' split of TP merges nothing needs any
+more (policies/amoebas.py, `--amoebas`, on whatever the modes). All off runs the process with no policy at
+all rather than not running it, so that deployments, `morphling up` and the audit trail keep
 one shape whether or not anything morphs: the static baselines (executors started with --static-bits) are
 measured with exactly that.
 
@@ -24,7 +25,7 @@ import logging
 import sys
 
 from services.controller.loop import Controller
-from services.controller.policies import cocoserve_algorithms, ladder
+from services.controller.policies import amoebas, cocoserve_algorithms, ladder
 from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import ControllerConfig, read_swap_order
@@ -42,6 +43,8 @@ async def _run_until_signalled(config: ControllerConfig, profile: SpeedupProfile
         return
     # The ladder reads both rungs' modes and overrides from the config at each window.
     policies = [] if config.morph_mode == config.cocoserve_mode == "off" else [ladder.make_policy(profile)]
+    if config.amoebas:
+        policies.append(amoebas.split_policy)
     controller = Controller(config, policies=policies)
     await controller.start(bus)
     log.info("controller %s: following the cluster state on %s (morph mode %s%s; CoCoServe mode %s%s; speed-up "
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                           help=f"{what} (default {getattr(coco_defaults, key)})")
     coco.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
                       help="override any other CoCoServe setting by name, e.g. settle_s=3 (repeatable)")
+    parser.add_argument("--amoebas", choices=("on", "off"), default="on" if defaults.amoebas else "off",
+                        help="split TP instances the gateway merged for long requests back once those are done "
+                             "(AMOEBAs; default %(default)s)")
     args = parser.parse_args(argv)
     if args.command_timeout <= 0 or args.command_retries < 0:
         parser.error("--command-timeout must be positive and --command-retries non-negative")
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                               command_timeout_s=args.command_timeout, command_retries=args.command_retries,
                               morph_mode=args.mode, morph_overrides=tuple(overrides.items()),
                               cocoserve_mode=args.cocoserve, cocoserve_overrides=tuple(coco_overrides.items()),
-                              speedup_profile=args.speedup)
+                              speedup_profile=args.speedup, amoebas=args.amoebas == "on")
     try:
         asyncio.run(_run_until_signalled(config, profile))
     except BusError as exc:

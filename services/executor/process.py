@@ -190,7 +190,11 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
     world.create_groups(plans)
     plan = plan_of(plans, config.executor_id)
     if len(plan.members) == 1:
-        return solo_role(args, config, plan), world
+        # Alone in a world, it needs to hold only one block of its own: a TP merge holds the longest sequence.
+        config = replace(config, engine=replace(config.engine, min_kv_tokens=config.engine.block_size))
+        service = solo_role(args, config, plan, world)
+        cluster_check(service.engine, world.settings.size)
+        return service, world
     from services.executor.fabric.member import InstanceMember, Seat
 
     seat = Seat(world, plan, config.executor_id)
@@ -205,16 +209,38 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
     return FollowerService(config, member, max_model_len), world
 
 
-def solo_role(args: argparse.Namespace, config: ExecutorConfig, plan: InstancePlan | None = None) -> "ExecutorService":
-    """An executor that holds the whole model: `plan` is its TP1 instance in a world, else one of its own."""
+def solo_role(args: argparse.Namespace, config: ExecutorConfig, plan: InstancePlan | None = None,
+              world=None) -> "ExecutorService":
+    """An executor that holds the whole model: `plan` is its TP1 instance in `world`, else one of its own."""
     from services.executor.engine.engine import LLMEngine
 
     engine = LLMEngine(config.engine, progress=False)
     plan = plan or alone(config.executor_id, engine.model_config.num_layers, args.static_bits)
-    service = ExecutorService(config, engine, plan)
+    service = ExecutorService(config, engine, plan, world)
     # Before the worker thread starts, so the engine is still ours alone; the profile reads the
     # full-precision weights, so it comes before any static quantization.
     engine.swapper.swap_order = swap_order(engine, args.swap_order)
     log.info("executor %s: swap order %s", config.executor_id, engine.swapper.swap_order)
     apply_static_bits(engine, config.executor_id, plan)
     return service
+
+
+def cluster_check(engine, world_size: int) -> None:
+    """An executor alone in a world starts when the widest TP instance the world can merge it into holds one
+    sequence of max_model_len (each peer taken to hold what it does, as `morphling up` starts them alike);
+    MemoryBudgetError otherwise."""
+    from services.executor.engine.errors import MemoryBudgetError
+    from services.executor.fabric.merge import kv_units
+    from shared.tp_scheduler import MAX_TP, Member, capacity
+
+    size, kv_heads = engine.config.block_size, engine.model_config.num_kv_heads
+    need = -(-(engine.max_model_len - 1) // size)
+    degrees = [k for k in (1, 2, MAX_TP) if k <= world_size]
+    units = kv_units(engine.model, engine.arena, degrees)
+    holds = {k: capacity((Member("peer", units),) * k, kv_heads) for k in degrees}
+    if max(holds.values()) < need:
+        held = ", ".join(f"{blocks} at TP{k}" for k, blocks in holds.items())
+        raise MemoryBudgetError(f"one sequence of {engine.max_model_len} tokens needs {need} KV blocks, but an "
+                                f"instance of this world's executors holds at most {held}: raise --memory-budget "
+                                f"or lower --max-model-len")
+    log.info("KV blocks an instance holds, by TP degree: %s (one sequence of max_model_len: %d)", holds, need)

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.executor.engine.errors import EngineError, QueueFullError
+from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker, rejection
@@ -24,9 +25,10 @@ from shared.config import ExecutorConfig, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
                              DrainArgs, ErrorInfo, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
-                             InstancePlan, KvPages, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs, RestoreArgs,
-                             TokenizeReply, TokenizeRequest)
+                             InstancePlan, KvPages, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
+                             RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
 from shared.plans import alone_id
+from shared.tp_scheduler import MAX_TP, world_allows
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,9 @@ async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTel
 
 
 class ExecutorService:
-    def __init__(self, config: ExecutorConfig, engine=None, plan: InstancePlan | None = None):
-        """`plan`: the instance this executor leads (None: it serves alone, outside any world)."""
+    def __init__(self, config: ExecutorConfig, engine=None, plan: InstancePlan | None = None, world=None):
+        """`plan`: the instance this executor leads (None: it serves alone, outside any world). `world`: the
+        executors' world when it serves alone in one, so that it can merge into a TP instance (AMOEBAs)."""
         if engine is None:
             # Imported here so that a service built around a given engine (the tests) needs no model load.
             from services.executor.engine.engine import LLMEngine
@@ -69,6 +72,7 @@ class ExecutorService:
         self.id = config.executor_id
         self.instance = uuid.uuid4().hex  # tells the monitor a restart from a stall
         self._plan = plan
+        self.world = world
         self.broken = asyncio.Event()  # set once the instance it leads loses a member
         self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
@@ -81,6 +85,8 @@ class ExecutorService:
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
                                    config.admission_limit, self._outbox.put, self._publish,
                                    max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken)
+        if world is not None:
+            self.worker.tp_degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
 
     @property
     def draining(self) -> bool:
@@ -128,6 +134,10 @@ class ExecutorService:
     async def _on_infer(self, incoming: Incoming) -> None:
         if self.draining:
             await incoming.reply(rejection(self.id, incoming.message, "unavailable", "executor is draining"))
+            return
+        if (member := self.worker.following) is not None:
+            await incoming.reply(rejection(self.id, incoming.message, "unavailable", f"{self.id} follows "
+                                           f"{member.leader} in instance {member.plan.id}: requests go to the leader"))
             return
         try:
             self.worker.admit(incoming.message, incoming)
@@ -208,6 +218,23 @@ class ExecutorService:
             elif isinstance(args, DrainArgs):
                 self.worker.draining = True
                 result.state = {"in_flight": snap.in_flight}
+            elif (member := self.worker.following) is not None:
+                raise InvalidCommandError(f"{self.id} is a member of instance {member.plan.id}, which morphs as a "
+                                          f"whole: send it to its leader {member.leader}", "kind")
+            elif isinstance(args, TpMergeArgs):
+                self._check_merge(args)
+                report = await asyncio.wrap_future(self.worker.call(
+                    lambda: self.worker.merge(self.world, args.executors, args.instance, args.hold_s)))
+                result.state = {"plan": self.plan.model_dump(), **report}
+            elif isinstance(args, TpSplitArgs):
+                self._check_instance(args.instance)
+                if not self.plan.merged:
+                    raise InvalidCommandError(f"instance {args.instance} was not formed by tp_merge: it has nothing "
+                                              f"to split back into", "args.instance")
+                result.state = await asyncio.wrap_future(self.worker.call(self.worker.split))
+            elif self.plan is not None and self.plan.merged:
+                raise InvalidCommandError(f"instance {self.instance_id} is a TP merge, which serves at the bits its "
+                                          f"layers had when it formed: {cmd.kind} it after its split", "kind")
             elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
                 self._check_instance(args.instance)
                 result.state = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
@@ -219,14 +246,33 @@ class ExecutorService:
             else:
                 report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, args)))
                 result.state = {"layers": list(self.engine.model.layer_bits), **report}
-        except (InvalidCommandError, EngineError) as exc:  # SwapError among them
+        except (InvalidCommandError, EngineError, KvPlanError) as exc:  # SwapError among them
             result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
         return result
 
+    def _check_merge(self, args: TpMergeArgs) -> None:
+        """What every member can check alone before the merge's first collective, so that none of them waits
+        for a member that will not come (the gateway checks the same against the cluster state first)."""
+        if self.engine.member is not None or len(self.plan.members) > 1:
+            raise InvalidCommandError(f"{self.id} is already in instance {self.instance_id} of "
+                                      f"{len(self.plan.members)}: only executors serving alone merge", "kind")
+        if self.world is None:
+            raise InvalidCommandError(f"{self.id} is in no world of executors: it has nobody to merge with", "kind")
+        if self.id not in args.executors or len(set(args.executors)) != len(args.executors) \
+                or len(args.executors) not in (2, MAX_TP):
+            raise InvalidCommandError(f"executors must be 2 or {MAX_TP} distinct executors, {self.id} among them; "
+                                      f"got {args.executors}", "args.executors")
+        if not world_allows(self.world.names, args.executors):
+            raise InvalidCommandError(f"executors {args.executors} cannot form one instance in this world "
+                                      f"({self.world.names}): any two can, four only as consecutive ranks "
+                                      f"from a multiple of four", "args.executors")
+
     @property
     def plan(self) -> InstancePlan | None:
         """The plan it serves now: its instance's, which operations change, else the one it was given."""
+        if self.worker.following is not None:
+            return self.worker.following.plan
         return self.engine.member.plan if self.engine.member is not None else self._plan
 
     @property
@@ -256,6 +302,10 @@ class ExecutorService:
     def telemetry(self) -> ExecutorTelemetry:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
         stats, ledger = snap.stats, snap.stats.ledger
+        following = worker.following
+        if following is not None:  # its part of the instance: the leader's blocks, its own arena
+            ledger = following.snapshot()
+        member = engine.member or following
         return ExecutorTelemetry(
             executor=self.id, instance=self.instance, time=snap.taken, model=self.model_name,
             max_model_len=engine.max_model_len,
@@ -263,15 +313,19 @@ class ExecutorService:
             kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
                        pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
                        pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
-            layers=snap.layers if engine.member is None else [layer.bits for layer in self.plan.layers],
-            swap_order=engine.swapper.swap_order if engine.member is None else list(range(len(self.plan.layers))),
+            layers=snap.layers if member is None else [layer.bits for layer in self.plan.layers],
+            swap_order=engine.swapper.swap_order if member is None else list(range(len(self.plan.layers))),
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
             ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats(),
             plan=self.plan, max_num_seqs=snap.max_num_seqs, requests=worker.finished.drain(),
             pages_growth=snap.pages_growth, busy=worker.busy.share(), layer_pages=engine.arena.slot_pages,
-            spare_pages=engine.arena.ledger.num_free if engine.member is not None else 0)
+            spare_pages=engine.arena.ledger.num_free if engine.member is not None else 0,
+            world=list(self.world.names) if self.world is not None else [],
+            kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()], longest_blocks=snap.longest_blocks,
+            kv_heads=engine.model_config.num_kv_heads,
+            merge_hold_s=max(0.0, worker.hold_until - time.monotonic()) if engine.member is not None else 0.0)
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device

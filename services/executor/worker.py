@@ -32,21 +32,28 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from opentelemetry.context import Context
 
 from services.executor.admission import Departures, admits, predicted_wait_s
-from services.executor.engine.errors import QueueFullError
+from services.executor.engine.errors import KvCapacityError, QueueFullError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.scheduling.sequence import Sequence
-from services.executor.fabric.world import FabricError
+from services.executor.fabric import step as wire
+from services.executor.fabric import transform
+from services.executor.fabric.kv_heads import KvPlanError
+from services.executor.fabric.member import InstanceMember
+from services.executor.fabric.merge import kv_units
+from services.executor.fabric.world import FabricError, World
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow, TrackedRequest, emit_spans
 from services.executor.tokenization import render
 from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import BusError, Incoming
-from shared.errors import InvalidRequestError
-from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, Admission, ErrorInfo, GenerateRequest, Message,
-                             TokenBatch, TokenDelta)
+from shared.errors import InvalidCommandError, InvalidRequestError
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, Admission, Cancel, ErrorInfo,
+                             GenerateRequest, Message, TokenBatch, TokenDelta)
 from shared.telemetry import RECORD_CONTENT
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,7 @@ IDLE_WAIT_S = 0.05  # how long the thread waits for work when the engine has non
 # Cancels that found no request, remembered in case the admission they meant is still on its way; a
 # gateway cancels an admission only after giving up on it, within seconds, so a few thousand cover it.
 UNMATCHED_CANCEL_MEMORY = 4096
+MOVED_MEMORY = 4096  # requests handed to another executor by a TP merge or split, for their cancels
 BUSY_WINDOW_S = 1.0  # telemetry's `busy`: the share of the last second spent stepping
 
 Send = Callable[[Callable[[], Awaitable[None]]], None]
@@ -68,6 +76,8 @@ class Snapshot:
     layers: list[int]  # bits per decoder layer, never read halfway through a swap
     max_num_seqs: int  # the scheduler's batch cap now
     pages_growth: int  # KV pages the running sequences still take (pages_growth below)
+    longest_blocks: int = 0  # KV blocks the longest sequence running or waiting takes at its end
+    kv_units: dict[int, int] = field(default_factory=dict)  # TP degree -> KV head units (merge.kv_units)
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
 
 
@@ -100,6 +110,12 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
             if (holders := blocks.ledger.refcount(page)) > 1:
                 shared[page] = holders
     return growth + sum(holders - 1 for holders in shared.values())
+
+
+def blocks_at_end(seq: Sequence, engine) -> int:
+    """KV blocks `seq` holds once it ends at its max_tokens (else max_model_len): the engine's admission rule."""
+    tokens = min(len(seq.prompt_ids) + (seq.params.max_tokens or engine.max_model_len), engine.max_model_len)
+    return -(-(tokens - 1) // engine.config.block_size)
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
@@ -141,6 +157,13 @@ class EngineWorker:
         self.max_queue_wait_s = max_queue_wait_s
         self._departures = Departures(latency_window_s)  # requests leaving the waiting queue
         self._tracked: dict[str, TrackedRequest] = {}
+        # AMOEBAs: the merged instance this executor follows (its engine then runs no requests of its own),
+        # and where the requests it handed over went, so that their cancels follow them.
+        self.following: InstanceMember | None = None
+        self.tp_degrees: list[int] = []  # those its world can merge it into (set by the service)
+        self.hold_until = 0.0  # time.monotonic() until which the merged instance it leads is held merged
+        self._kv_units: tuple[tuple, dict[int, int]] = ((), {})  # for the layer bits and degrees they were for
+        self._moved: OrderedDict[str, str] = OrderedDict()
         self.snapshot = self._take_snapshot()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{executor}-engine", daemon=True)
@@ -188,8 +211,11 @@ class EngineWorker:
         while not self._stop.is_set():
             try:
                 # With work to do, never wait: a waiting step would add latency to every running request.
-                self._apply_ops_then_cancels(wait=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
-                if self.engine.has_unfinished():
+                busy = self.following is not None or self.engine.has_unfinished()
+                self._apply_ops_then_cancels(wait=0.0 if busy else IDLE_WAIT_S)
+                if self.following is not None:
+                    self._follow()
+                elif self.engine.has_unfinished():
                     self._step()
                 elif not self.broken:
                     self.engine.keepalive()
@@ -209,9 +235,21 @@ class EngineWorker:
 
     def _take_snapshot(self) -> Snapshot:
         scheduler = self.engine.scheduler
+        seqs = [*scheduler.running, *scheduler.waiting]
         return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
-                        pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len))
+                        pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len),
+                        max((blocks_at_end(s, self.engine) for s in seqs), default=0), self._units())
+
+    def _units(self) -> dict[int, int]:
+        """merge.kv_units, recomputed only when the layers' bits change. In a merged instance (whose bits do
+        not change) the last ones stand: what it holds once it splits."""
+        if not self.tp_degrees or self.engine.member is not None or self.following is not None:
+            return self._kv_units[1]
+        key = (tuple(self.engine.model.layer_bits), tuple(self.tp_degrees))
+        if self._kv_units[0] != key:
+            self._kv_units = (key, kv_units(self.engine.model, self.engine.arena, self.tp_degrees))
+        return self._kv_units[1]
 
     def _apply_ops_then_cancels(self, wait: float) -> None:
         # Cancels are taken once the operations are drained, so that one whose admission was queued first
@@ -222,7 +260,11 @@ class EngineWorker:
             cancels, self._cancels = self._cancels, set()
         for request_id in cancels:
             try:
-                if not self.engine.abort(request_id):  # finished already, or its admission not here yet
+                if self.engine.abort(request_id):
+                    continue
+                if (elsewhere := self._moved.get(request_id)) is not None:  # a TP merge or split moved it
+                    self._forward_cancel(elsewhere, request_id)
+                else:  # finished already, or its admission not here yet
                     self._unmatched_cancels[request_id] = None
                     while len(self._unmatched_cancels) > UNMATCHED_CANCEL_MEMORY:
                         self._unmatched_cancels.popitem(last=False)
@@ -252,6 +294,9 @@ class EngineWorker:
     def _try_admit(self, req: GenerateRequest, incoming: Incoming) -> Admission:
         if self.draining or self._stop.is_set():
             return rejection(self.executor, req, "unavailable", "executor is draining")
+        if self.following is not None:
+            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.following.leader} "
+                                                                f"in instance {self.following.plan.id}")
         if req.request_id in self._unmatched_cancels:
             del self._unmatched_cancels[req.request_id]
             return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
@@ -276,6 +321,9 @@ class EngineWorker:
                                                  arrival_time=admitted, resume=req.resume)
         except InvalidRequestError as exc:
             return rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
+        except KvCapacityError as exc:
+            refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
+            return refused.model_copy(update={"prompt_tokens": exc.prompt_tokens})
         except QueueFullError as exc:
             return rejection(self.executor, req, "queue_full", str(exc))
         except Exception as exc:
@@ -358,6 +406,64 @@ class EngineWorker:
                 for request_id in {d.request_id for d in deltas if not d.finished}:
                     self.cancel(request_id)
                 raise
+
+        self._send(send)
+
+    # --- AMOEBAs' merge and split (fabric/transform.py), in this thread between two steps -------------
+    def merge(self, world: World, members: list[str], instance_id: str, hold_s: float = 0.0) -> dict:
+        """Take this executor's part in merging `members` into `instance_id`. The leader's engine then steps
+        the instance and its requests' records join ours; a follower's go with its sequences, and it follows.
+        The instance is held merged `hold_s` (merge_hold_s)."""
+        if self.engine.member is not None or self.following is not None:  # merged since the service checked
+            raise InvalidCommandError(f"{self.executor} is in an instance already: only executors serving alone "
+                                      f"merge", "kind")
+        # The leader keeps its records; trace contexts do not pickle, so those sent go without theirs.
+        carry = [] if members[0] == self.executor else \
+            [replace(t, trace_context=Context()) for t in self._tracked.values()]
+        member = transform.merge(self.engine, world, members, self.executor, instance_id, carry)
+        if member.is_leader:
+            self.hold_until = time.monotonic() + hold_s
+            for carried in member.merged_state.carried[1:]:
+                self._tracked.update((t.request_id, t) for t in carried)
+        else:
+            self._hand_over(list(self._tracked), member.leader)
+            self.following = member
+        return member.merged_state.report
+
+    def split(self) -> dict:
+        """The leader's part in splitting its merged instance (the followers' starts with the SPLIT step)."""
+        result = transform.split(self.engine, self.engine.member,
+                                 lambda ids: [replace(self._tracked[i], trace_context=Context()) for i in ids])
+        return self._after_split(result)
+
+    def _follow(self) -> None:
+        member = self.following
+        if member.follow_one() != wire.SPLIT:
+            return
+        try:
+            result = transform.split(self.engine, member)
+        except KvPlanError as exc:  # refused alike by every member: the instance stays merged, and we follow
+            log.warning("executor %s: %s", self.executor, exc)
+            return
+        self.following = None
+        self._after_split(result)
+
+    def _after_split(self, result: dict) -> dict:
+        self._tracked.update((t.request_id, t) for t in result.pop("carried") or [])
+        for request_id, executor in result.pop("moved").items():
+            self._hand_over([request_id], executor)
+        return result
+
+    def _hand_over(self, request_ids: list[str], executor: str) -> None:
+        for request_id in request_ids:
+            if self._tracked.pop(request_id, None) is not None:
+                self._moved[request_id] = executor
+        while len(self._moved) > MOVED_MEMORY:
+            self._moved.popitem(last=False)
+
+    def _forward_cancel(self, executor: str, request_id: str) -> None:
+        async def send() -> None:
+            await self._publish(subjects.cancel(executor), Cancel(request_id=request_id))
 
         self._send(send)
 

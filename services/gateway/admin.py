@@ -14,6 +14,10 @@ Two kinds of body share the endpoint, told apart by `action`:
   `{"action": "batch", "instance", "max_num_seqs"}` are CoCoServe's operations on one instance, sent to its
   leader (DESIGN.md, "Instances across executors"). A standalone executor is the one-member instance
   `i-<executor>` (shared/plans.alone): it has no peer to hold a layer, so it takes only `batch`.
+- `{"action": "tp_merge", "executors": [..]}` merges executors serving alone in one world into a TP2/TP4
+  instance (AMOEBAs; every one of them takes its part), and `{"action": "tp_split", "instance"}` splits such
+  an instance back. A merge by hand is held ADMIN_MERGE_HOLD_S before the controller may split it back on
+  its own (it does once nothing running needs it merged).
 A body that is not well formed is a 400 naming the field, an id that names nothing a 404, and a morph an
 executor refuses a 409 with its reason (the executor then changed nothing).
 
@@ -30,10 +34,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from services.gateway import tp_merges
 from services.gateway.openai_api import ApiError, bad_request
 from shared.commands import CommandSender
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, CommandResult, EvictArgs, InstancePlan, MigrateArgs,
-                             QuantizeArgs, ReplicateArgs, RestoreArgs)
+                             QuantizeArgs, ReplicateArgs, RestoreArgs, TpSplitArgs)
 from shared.plans import alone, alone_id, leads
 
 ALL = "*"
@@ -48,6 +53,7 @@ _NO_ANSWER = "no answer after"  # CommandSender's error for a command that never
 # more than it has.
 MAX_COUNT = 1 << 16
 _REASON = "by hand, through the gateway's admin API"
+ADMIN_MERGE_HOLD_S = 60.0
 
 
 class MorphRequest(BaseModel):
@@ -116,16 +122,28 @@ class BatchMorph(InstanceMorph):
     max_num_seqs: StrictInt = Field(ge=1, le=MAX_COUNT, description="the most sequences it runs at once")
 
 
+class TpSplitMorph(InstanceMorph):
+    """Split an instance tp_merge formed back into executors serving alone (AMOEBAs)."""
+    action: Literal["tp_split"]
+
+
+class TpMergeMorph(BaseModel):
+    """Merge executors serving alone into one TP instance: 2, or 4 consecutive ranks; the first leads."""
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["tp_merge"]
+    executors: list[MemberId] = Field(min_length=2, max_length=4)
+
+
 # action -> (the body it takes, the command its leader gets)
 INSTANCE_ACTIONS: dict[str, tuple[type[InstanceMorph], type[CommandArgs]]] = {
     "replicate": (ReplicateMorph, ReplicateArgs), "migrate": (MigrateMorph, MigrateArgs),
-    "evict": (EvictMorph, EvictArgs), "batch": (BatchMorph, BatchArgs)}
-ACTIONS = ("quantize", "restore", *INSTANCE_ACTIONS)
+    "evict": (EvictMorph, EvictArgs), "batch": (BatchMorph, BatchArgs), "tp_split": (TpSplitMorph, TpSplitArgs)}
+ACTIONS = ("quantize", "restore", *INSTANCE_ACTIONS, "tp_merge")
 # The bodies the endpoint takes, for the published schema: exactly one matches a valid body.
-MORPH_BODIES = (MorphRequest, *(body for body, _ in INSTANCE_ACTIONS.values()))
+MORPH_BODIES = (MorphRequest, *(body for body, _ in INSTANCE_ACTIONS.values()), TpMergeMorph)
 
 
-def parse_morph(body) -> MorphRequest | InstanceMorph:
+def parse_morph(body) -> MorphRequest | InstanceMorph | TpMergeMorph:
     """Validate a decoded JSON body, raising ApiError(400) with the offending field as `param`."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -136,6 +154,12 @@ def parse_morph(body) -> MorphRequest | InstanceMorph:
         raise bad_request(f"Invalid value for 'action': must be one of {', '.join(ACTIONS)}", "action")
     if action in INSTANCE_ACTIONS:
         return _parse_instance_morph(body, INSTANCE_ACTIONS[action][0])
+    if action == "tp_merge":
+        req = _parse_instance_morph(body, TpMergeMorph)
+        if len(set(req.executors)) != len(req.executors) or len(req.executors) == 3:
+            raise bad_request(f"Invalid value for 'executors': 2 or 4 distinct executors, got {req.executors}",
+                              "executors")
+        return req
     return _parse_bits_morph(body)
 
 
@@ -154,7 +178,7 @@ def _parse_bits_morph(body: dict) -> MorphRequest:
     return req
 
 
-def _parse_instance_morph(body: dict, model: type[InstanceMorph]) -> InstanceMorph:
+def _parse_instance_morph(body: dict, model: type[BaseModel]):
     takes = [field.alias or name for name, field in model.model_fields.items()]
     known = {field.alias or name for m in MORPH_BODIES for name, field in m.model_fields.items()}
     for name in body:
@@ -252,6 +276,14 @@ def _check_members(plan: InstancePlan, req: InstanceMorph) -> None:
         if executor not in plan.members:
             raise ApiError(404, f"The executor `{executor}` is not a member of instance `{plan.id}` (its members: "
                                 f"{', '.join(plan.members)})", "invalid_request_error", param, "executor_not_found")
+    if isinstance(req, TpSplitMorph):
+        if not plan.merged:
+            raise ApiError(409, f"instance `{plan.id}` was not formed by tp_merge: it has nothing to split back "
+                                f"into", "invalid_request_error", None, "morph_refused")
+        return
+    if plan.merged:
+        raise ApiError(409, f"instance `{plan.id}` is a TP merge: it takes only tp_split", "invalid_request_error",
+                       None, "morph_refused")
     if len(plan.members) == 1 and not isinstance(req, BatchMorph):
         raise ApiError(409, f"instance `{plan.id}` has one member, {plan.leader}, holding the only copy of every "
                             f"layer: there is no other member to {req.action} layers to or from, so it takes only "
@@ -293,6 +325,9 @@ def _shows(req: InstanceMorph, before: InstancePlan, result: CommandResult) -> C
     if isinstance(req, BatchMorph):
         return lambda state: any(e.executor == before.leader and e.telemetry.max_num_seqs == req.max_num_seqs
                                  for e in state.executors)
+    if isinstance(req, TpSplitMorph):  # every member serves alone again
+        return lambda state: not any(e.executor in before.members and e.telemetry.plan is not None
+                                     and e.telemetry.plan.id == before.id for e in state.executors)
     applied = result.state.get("plan")
 
     def shows(state: ClusterState) -> bool:
@@ -315,6 +350,8 @@ def _answer(dispatcher, results: list[CommandResult]) -> dict:
 async def morph(dispatcher, sender: CommandSender, body) -> dict:
     """Apply one morph request; the response body, or ApiError when nothing was applied."""
     req = parse_morph(body)
+    if isinstance(req, TpMergeMorph):
+        return await _merge(dispatcher, sender, req)
     if isinstance(req, InstanceMorph):
         return await _morph_instance(dispatcher, sender, req)
     targets = _targets(dispatcher.state, req.executor)
@@ -334,3 +371,15 @@ async def _morph_instance(dispatcher, sender: CommandSender, req: InstanceMorph)
     _raise_unless_applied(req.action, [result])
     await _wait_shown(dispatcher, _shows(req, plan, result))
     return _answer(dispatcher, [result])
+
+
+async def _merge(dispatcher, sender: CommandSender, req: TpMergeMorph) -> dict:
+    for executor in req.executors:
+        _targets(dispatcher.state, executor)  # 404 for one that is not alive
+    if (why := tp_merges.merge_refusal(dispatcher.state, req.executors)) is not None:
+        raise ApiError(409, why, "invalid_request_error", None, "morph_refused")
+    results = await tp_merges.send_merge(sender, req.executors, _REASON, ADMIN_MERGE_HOLD_S)
+    if not all(r.ok for r in results):
+        _raise_unless_applied(req.action, [r for r in results if not r.ok])
+    await _wait_shown(dispatcher, tp_merges.shown(tp_merges.merged_id(req.executors), req.executors))
+    return _answer(dispatcher, results)

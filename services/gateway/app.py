@@ -171,11 +171,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not (config.api_keys or config.admin_keys):
             log.warning("no API keys configured: authentication is off")
         gw.bus = await Bus.connect(config.nats_url, f"gateway-{config.gateway_id}")
-        gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics)
-        await gw.dispatcher.start()
-        gw.bus.on_outage(config.bus_outage_s, lambda _: gw.dispatcher.bus_lost())
         gw.commands = CommandSender(gw.bus, f"gateway-{config.gateway_id}", admin.COMMAND_TIMEOUT_S,
                                     admin.COMMAND_RETRIES)
+        gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics, gw.commands)
+        await gw.dispatcher.start()
+        gw.bus.on_outage(config.bus_outage_s, lambda _: gw.dispatcher.bus_lost())
         log.info("gateway %s connected to %s", config.gateway_id, config.nats_url)
         yield
         await gw.bus.close()
@@ -302,13 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bus-outage", dest="bus_outage_s", type=seconds(), metavar="SECONDS",
                         help="end the requests in flight (503 bus_unavailable) once the bus has been gone this "
                              "long (default 3; env MORPHLING_BUS_OUTAGE_S)")
+    parser.add_argument("--tp-scheduler", choices=("amoebas", "rr", "llf", "off"),
+                        help="where requests go and which instances merge for a request that fits none (AMOEBAs): "
+                             "amoebas, round-robin, least-load-first, or off (default amoebas)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: v for k, v in (("nats_url", args.nats), ("host", args.host), ("port", args.port),
                                    ("gateway_id", args.gateway_id),
                                    ("failover_timeout_s", args.failover_timeout_s),
-                                   ("bus_outage_s", args.bus_outage_s)) if v is not None}
+                                   ("bus_outage_s", args.bus_outage_s), ("tp_scheduler", args.tp_scheduler))
+                 if v is not None}
     config = GatewayConfig.from_env(**overrides)
     setup_tracing("gateway")
     app = create_app(config)

@@ -28,11 +28,14 @@ from opentelemetry import context as otel_context
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError
 from services.gateway.router import choose_executor, serving
+from services.gateway.tp_merges import MergeScheduler
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
+from shared.commands import CommandSender
 from shared.config import GatewayConfig
-from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, Admission, Cancel, ClusterState, ErrorInfo,
-                             GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, Admission, Cancel, ClusterState,
+                             ErrorInfo, GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
+from shared.tp_scheduler import MAX_TP, instances_from
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +137,24 @@ def finish_error(delta: TokenDelta) -> ApiError:
     return ApiError(500, message, "server_error", None, "internal_error")
 
 
+class _TooLong(Exception):
+    """Every executor that refused a request said it holds less KV than the request needs."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_model_len: int, executor: str):
+        super().__init__(message)
+        self.message, self.prompt_tokens, self.max_model_len = message, prompt_tokens, max_model_len
+        self.executor = executor  # the last that refused it
+
+
 class Dispatcher:
-    def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics):
+    def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics,
+                 commands: CommandSender | None = None):
+        """`commands`: how AMOEBAs' merges are sent (tp_merges.py); without it, a request that fits no instance
+        is a 503."""
         self.bus, self.config, self.metrics = bus, config, metrics
+        self.merges = MergeScheduler(commands, lambda: self.state, config.tp_scheduler, config.split_free_fraction) \
+            if commands is not None and config.tp_scheduler != "off" else None
+        self._turn = itertools.count()  # round-robin's (the rr scheduler)
         self.state: ClusterState | None = None
         # Unbounded as queues: _on_tokens bounds them, and the LOST and OVERFLOWED markers must always fit.
         self._queues: dict[str, asyncio.Queue] = {}
@@ -153,6 +171,8 @@ class Dispatcher:
             queue = self._queues.get(delta.request_id)
             if queue is None:  # a request already finished, cancelled, re-dispatched or overflowed
                 continue
+            if delta.request_id in self._running_on:  # a TP merge or split moves requests between executors
+                self._running_on[delta.request_id] = incoming.message.executor
             if queue.qsize() < self.config.stream_buffer:
                 queue.put_nowait(delta)
             else:
@@ -196,16 +216,59 @@ class Dispatcher:
 
     async def submit(self, request: GenerateRequest, model: str, ctx: otel_context.Context | None,
                      attempts: Iterator[int] | None = None) -> Ticket:
-        """Admit `request` on the best executor that takes it; when none does, ApiError: 400 (invalid), 413
-        (more than the bus carries), 429 (all full, or too slow to answer: admission_timeout), 503 (nobody to
-        ask, or the bus is down: bus_unavailable)."""
+        """Admit `request` on the best executor that takes it, after a TP merge when no instance holds it
+        (tp_merges.py); when none does, ApiError: 400 (invalid, or longer than any instance the cluster can
+        form holds), 413 (more than the bus carries), 429 (all full, or too slow to answer:
+        admission_timeout), 503 (nobody to ask, no merge can be made now: no_capacity, or the bus is down:
+        bus_unavailable)."""
         if self.bus.disconnected_since is not None:  # an admission now could only wait out its timeout
             raise bus_unavailable()
-        base_id = request.request_id.split(".", 1)[0]
-        tried: set[str] = set()
         attempts = itertools.count() if attempts is None else attempts
+        # A request no instance holds waits for a merge that holds it (tp_merges.py) and goes there; a few
+        # rounds more when the cluster view is behind what the executors said.
+        for _ in range(MAX_TP.bit_length() + 1):
+            try:
+                return await self._admit(request, model, ctx, attempts, await self._closed(model))
+            except _TooLong as too_long:
+                if self.merges is None:
+                    raise unavailable(f"no instance holds the request: {too_long.message}", "no_capacity") from None
+                tokens = too_long.prompt_tokens + (request.sampling.max_tokens or too_long.max_model_len)
+                leader = await self.merges.make_room(min(tokens, too_long.max_model_len) - 1, model,
+                                                     too_long.executor)
+                if leader is not None:
+                    return await self._admit(request, model, ctx, attempts, set(), only=leader)
+        raise unavailable("no instance could be formed to hold the request", "no_capacity")
+
+    async def _closed(self, model: str) -> set[str]:
+        """Leaders of merged instances draining towards their split: they take no new requests. When no other
+        instance serves, the request waits for the split (failover_timeout_s at most, then goes there anyway)."""
+        give_up = time.monotonic() + self.config.failover_timeout_s
+        while self.merges is not None:
+            closed = {i.members[0].executor for i in instances_from(self.state, model, self.config.split_free_fraction)
+                      if not i.accepting}
+            if not closed or not closed >= {e.executor for e in serving(self.state, model)}:
+                return closed
+            if time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(_FAILOVER_RETRY_S)
+        return set()
+
+    async def _admit(self, request: GenerateRequest, model: str, ctx: otel_context.Context | None,
+                     attempts: Iterator[int], closed: set[str], only: str | None = None) -> Ticket:
+        """One round of submit(): each serving executor in the strategy's order until one admits the request;
+        _TooLong when those that refused it said it needs more KV than they hold."""
+        base_id = request.request_id.split(".", 1)[0]
+        tried: set[str] = set(closed)
         saw_full = saw_timeout = False
-        while (executor := choose_executor(self.state, tried, model)) is not None:
+        too_long: _TooLong | None = None
+        turn = next(self._turn)
+        while True:
+            if only is not None:
+                executor = None if only in tried else only
+            else:
+                executor = choose_executor(self.state, tried, model, self.config.tp_scheduler, turn)
+            if executor is None:
+                break
             tried.add(executor)
             timeout = self.config.admission_timeout_s
             # The executor refuses what it reaches after this, so a request that timed out here never runs.
@@ -238,6 +301,10 @@ class Dispatcher:
             err = admission.error or ErrorInfo(message="refused", type="unavailable")
             if err.type == "invalid_request_error":
                 raise ApiError(400, err.message, "invalid_request_error", err.param, err.code)
+            if err.code == KV_CAPACITY:
+                too_long = _TooLong(err.message, admission.prompt_tokens, self._max_model_len(executor), executor)
+                if self.config.tp_scheduler in ("rr", "llf"):  # the baselines merge the instance they chose
+                    break
             saw_full |= err.type == "queue_full"
             # Reached after admit_by (its answer beat our own timeout): as slow as a timeout.
             saw_timeout |= err.code == ADMISSION_EXPIRED
@@ -245,10 +312,17 @@ class Dispatcher:
         if saw_full:
             raise ApiError(429, "all executors are at capacity; retry later", "rate_limit_error", None,
                            "queue_full")
+        if too_long is not None:
+            raise too_long
         if saw_timeout:  # alive, but too busy to answer in time: overload, not absence
             raise ApiError(429, f"no executor answered the admission within {self.config.admission_timeout_s:g} s;"
                                 " retry later", "rate_limit_error", None, "admission_timeout")
         raise unavailable("no executor could take the request", "no_executor")
+
+    def _max_model_len(self, executor: str) -> int:
+        found = [e.telemetry.max_model_len for e in (self.state.executors if self.state else [])
+                 if e.executor == executor]
+        return found[0] if found else 0
 
     def bus_lost(self) -> None:
         """The bus has been gone bus_outage_s: end every request in flight (their events() raise bus_lost_error)."""
@@ -328,10 +402,11 @@ class Dispatcher:
         self._running_on.pop(ticket.request_id, None)
 
     def cancel(self, ticket: Ticket) -> None:
-        """Stop the request on its executor. Fire-and-forget, because it is called from code that is
-        being cancelled itself (a disconnected client), where awaiting is not possible."""
+        """Stop the request on its executor (the one its tokens last came from). Fire-and-forget, because it is
+        called from code that is being cancelled itself (a disconnected client), where awaiting is not possible."""
+        executor = self._running_on.get(ticket.request_id, ticket.executor)
         self.release(ticket)
-        self._cancel_later(ticket.executor, ticket.request_id)
+        self._cancel_later(executor, ticket.request_id)
 
     def _cancel_later(self, executor: str, request_id: str) -> None:
         async def send() -> None:

@@ -2,7 +2,7 @@
 each with requests mid-generation, merge between two steps into one TP2 instance (FFN cut in place, KV
 moved by head); the instance takes a new request, runs, and splits back (KV first, the FFN refilled), and
 each executor finishes its requests alone: every request gets exactly the tokens one engine alone
-generates, nothing recomputed, nothing lost."""
+generates, nothing recomputed, nothing lost. Four executors likewise merge into one TP4 instance."""
 
 import multiprocessing
 
@@ -15,7 +15,7 @@ from shared.config import EngineConfig
 from shared.net import free_port
 from shared.plans import instance_plans
 from shared.sampling import SamplingOptions
-from tests.checkpoints import write_tiny_llama3
+from tests.checkpoints import write_tiny_llama3, write_tiny_llama_8kv
 
 # exec0's two prompts are the longer: more blocks there, so the split gives the request that arrived merged
 # (r4) to exec1.
@@ -109,3 +109,58 @@ def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_reques
     assert blocks > 0 and engine.stats().running == 0
     engine.arena.ledger.check_consistency()
     assert engine.arena.ledger.num_free == engine.arena.ledger.snapshot().pages_kv  # every page back
+
+
+def _member_of_four(config: EngineConfig, url: str, rank: int, params: SamplingOptions, out_queue) -> None:
+    """One of four executors: alone for a few steps, merged into TP4 (exec3 leading: not in rank order), and
+    alone again after the split; puts the tokens it generated (or what went wrong)."""
+    names = [f"exec{r}" for r in range(4)]
+    world = World.join(WorldSettings(url, rank, 4, TIMEOUT_S), names[rank], "cpu")
+    try:
+        world.create_groups(instance_plans(world.names, load_checkpoint(config.model).config.num_layers))
+        engine, alone = _alone_first(config, params, (rank,))
+        members = ["exec3", "exec0", "exec1", "exec2"]
+        member = merge(engine, world, members, names[rank], "m4")
+        merged: dict[str, list[int]] = {}
+        if member.is_leader:
+            for _ in range(STEPS_MERGED):
+                _step(engine, merged)
+        else:
+            while member.follow_one() != wire.SPLIT:
+                pass
+        split(engine, member)
+        after: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            _step(engine, after)
+        out_queue.put((rank, [alone, merged, after], member.plan.tp))
+    except Exception as exc:  # reported, so that the test fails with it instead of timing out
+        out_queue.put((rank, repr(exc), 0))
+    finally:
+        world.close()
+
+
+def test_four_executors_merge_into_tp4_out_of_rank_order_and_split_back_with_every_request_intact(tmp_path):
+    config = EngineConfig(model=str(write_tiny_llama_8kv(tmp_path / "tiny8kv")), memory_budget=4 << 20, block_size=8,
+                          max_model_len=128, max_num_seqs=4, prepare_variants=True,
+                          variant_cache_dir=str(tmp_path / "variants"))
+    params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS[:4], params)]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_member_of_four, args=(config, url, r, params, results), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    phases: list[dict[str, list[int]]] = [{}, {}, {}]  # alone, merged (the leader's), alone again
+    try:
+        for _ in procs:
+            rank, out, tp = results.get(timeout=2 * TIMEOUT_S)
+            assert isinstance(out, list), f"exec{rank}: {out}"
+            assert tp == 4
+            for phase, tokens in zip(phases, out):
+                phase.update(tokens)
+    finally:
+        for p in procs:
+            p.join(timeout=TIMEOUT_S)
+    assert all(phases[1].get(f"r{i}") for i in range(4))  # every request took merged steps
+    assert [[t for phase in phases for t in phase.get(f"r{i}", [])] for i in range(4)] == expected

@@ -1,5 +1,5 @@
-"""choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, most free
-KV pages, then shortest queue."""
+"""choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, the least
+share of its KV in use, then shortest queue; AMOEBAs' baselines by turn or by requests."""
 
 from services.gateway.router import choose_executor, serving
 from shared.plans import leads
@@ -69,3 +69,12 @@ def test_an_executor_without_a_plan_leads_itself_and_a_solo_plan_changes_nothing
     assert not leads(executor("b", plan=solo[0]))  # a plan that names another leader makes it a follower
     s = state(executor("a", free=5, plan=solo[0]), executor("b", free=9, plan=solo[1]))
     assert choose_executor(s, set(), "m") == "b"
+
+
+def test_the_baselines_order_by_turn_or_by_requests():
+    s = state(executor("b", free=1), executor("a", free=50), executor("c", free=20))
+    assert [choose_executor(s, set(), "m", "rr", turn) for turn in range(4)] == ["a", "b", "c", "a"]
+    assert choose_executor(s, {"b"}, "m", "rr", 1) == "c"
+    busy = state(executor("a", free=50, waiting=3), executor("b", free=1, waiting=1))
+    assert choose_executor(busy, set(), "m", "llf") == "b"
+    assert choose_executor(busy, set(), "m", "amoebas") == "a"

@@ -159,12 +159,13 @@ class InstanceView:
 
 
 def instances(state: ClusterState) -> list[InstanceView]:
-    """The instances of several members whose leader is in the state, as their leaders report them."""
+    """The instances of several members whose leader is in the state, as their leaders report them (not TP
+    merges: AMOEBAs splits those back, policies/amoebas.py)."""
     by_name = {es.executor: es for es in state.executors}
     views = []
     for es in state.executors:
         plan = es.telemetry.plan
-        if plan is not None and len(plan.members) > 1 and plan.leader == es.executor:
+        if plan is not None and len(plan.members) > 1 and plan.leader == es.executor and not plan.merged:
             views.append(InstanceView(plan, {m: by_name[m] for m in plan.members if m in by_name}))
     return views
 

@@ -281,8 +281,8 @@ def plan(state: ClusterState, memory: MorphMemory, settings: SettingsSource,
     commands: list[PlannedCommand] = []
     executors: dict[str, ExecutorMemory] = {}
     for es in state.executors:
-        if not leads(es):
-            continue
+        if not leads(es) or (es.telemetry.plan is not None and es.telemetry.plan.merged):
+            continue  # a TP merge keeps its bits until it splits (AMOEBAs: policies/amoebas.py)
         s = settings(len(es.telemetry.layers)) if callable(settings) else settings
         previous = memory.executors.get(es.executor, ExecutorMemory())
         if s.mode == "off":

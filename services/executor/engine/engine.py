@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.errors import DuplicateRequestError
+from services.executor.engine.errors import DuplicateRequestError, KvCapacityError
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import LedgerSnapshot
@@ -79,7 +79,8 @@ class LLMEngine:
         if seat is None:
             geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
             _, layer_bytes = layer_layout(cfg, dtype)
-            self.arena = Arena(geometry, config.memory_budget, layer_bytes, self.max_model_len, config.device)
+            self.arena = Arena(geometry, config.memory_budget, layer_bytes, config.min_kv_tokens or self.max_model_len,
+                               config.device)
             self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len,
                                       progress)
             self.blocks = BlockManager(self.arena.ledger, config.block_size)
@@ -139,6 +140,11 @@ class LLMEngine:
                 f"{wanted} tokens ({len(prompt_ids)} in the prompt, {wanted - len(prompt_ids)} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
                 param="max_tokens" if params.max_tokens else "prompt")
+        # A sequence needs the KV of every token but its last; one without max_tokens may grow to max_model_len.
+        kv_tokens = (wanted if params.max_tokens else self.max_model_len) - 1
+        blocks, capacity = -(-kv_tokens // self.config.block_size), self.kv_capacity_blocks()
+        if blocks > capacity:
+            raise KvCapacityError(len(prompt_ids), kv_tokens + 1, blocks, capacity)
         arrival = arrival_time or time.time()
         if resume:
             seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r)
@@ -378,6 +384,10 @@ class LLMEngine:
     def keepalive(self) -> None:
         """Called while there is nothing to step: an instance's leader tells its members it lives."""
         self.runner.keepalive()
+
+    def kv_capacity_blocks(self) -> int:
+        """KV blocks the instance holds when empty: the most one sequence can take."""
+        return self.member.num_blocks if self.member is not None else self.arena.ledger.snapshot().pages_kv
 
     def stats(self) -> EngineStats:
         ledger = self.arena.ledger.snapshot() if self.member is None else self.member.snapshot()

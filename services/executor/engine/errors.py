@@ -49,6 +49,16 @@ class QueueFullError(EngineError):
         self.limit = limit
 
 
+class KvCapacityError(EngineError):
+    """A request whose KV is more than this engine's instance holds even empty: not invalid (a merged
+    instance may hold it, AMOEBAs), so not admitted here."""
+
+    def __init__(self, prompt_tokens: int, tokens: int, blocks: int, capacity: int):
+        super().__init__(f"the request's {tokens} tokens ({prompt_tokens} in the prompt) need {blocks} KV blocks, "
+                         f"but this instance holds {capacity}")
+        self.prompt_tokens, self.tokens, self.blocks, self.capacity = prompt_tokens, tokens, blocks, capacity
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request id the engine already holds: a caller's bug, reported like any invalid request."""
 

@@ -63,6 +63,18 @@ def cut_pages(model: DecoderModel, arena: Arena, tp: int, rank: int) -> list[int
     return [page for _, _, pages in layer_cuts(model, arena, kept) for page in pages]
 
 
+def kv_units(model: DecoderModel, arena: Arena, degrees: list[int]) -> dict[int, int]:
+    """For each TP degree k in `degrees`: the KV head units this whole model's arena would have outside its
+    slots as a member of a TP-k instance (its KV pages now and those its cut frees, a unit per KV head of
+    each page; the fewest over the ranks it could take)."""
+    pages, heads = arena.ledger.snapshot().pages_kv, arena.kv_cache.shape[1]
+    units = {}
+    for k in degrees:
+        freed = min(len(cut_pages(model, arena, k, r)) for r in range(k)) if k > 1 else 0
+        units[k] = heads * (pages + freed)
+    return units
+
+
 def become_member(model: DecoderModel, arena: Arena, store: VariantStore, tp: int, rank: int,
                   reduce: Callable[[torch.Tensor], torch.Tensor]) -> Membership:
     """Make `model` (which holds whole layers) compute as member `rank` of a TP-`tp` instance. `store` holds

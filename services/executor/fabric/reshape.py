@@ -209,7 +209,7 @@ def _gather_outside_slots(member: "InstanceMember", plan: InstancePlan) -> dict[
     counts = [torch.zeros(1, dtype=torch.int64) for _ in plan.members]
     with member.collective("gathering the members' free pages for a reshape"):
         dist.all_gather(counts, mine, group=member.group)
-    return {m: int(c) for m, c in zip(plan.members, counts)}
+    return {m: int(c) for m, c in zip(plan.members, member.world.in_member_order(plan.members, counts))}
 
 
 def _apply(member: "InstanceMember", plan: InstancePlan, verdict: Verdict) -> int:

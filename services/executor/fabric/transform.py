@@ -21,6 +21,7 @@ the FFN from the host variants (merge.become_whole) and serve alone again.
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,12 +51,15 @@ class MergedState:
     spare_units: set[int]  # this member's units that no block id maps to
     origin: dict[str, int]  # request id -> the member it came from (the leader's record)
     report: dict  # what the merge did and how long each part took, here
+    carried: list  # what each member's caller sent along with its sequences (merge's `carry`), by rank
 
 
-def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instance_id: str) -> InstanceMember:
+def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instance_id: str,
+          carry: object = None) -> InstanceMember:
     """Merge this executor's engine (serving alone) with the other `members`' into the TP instance
     `instance_id`; returns this executor's member (the first of `members` leads; its engine now steps the
-    instance)."""
+    instance). `carry` (picklable) travels with this member's sequences: the service's record of its
+    requests; every member's is in `merged_state.carried`."""
     rank, tp = members.index(me), len(members)
     group = world.group(members)
     model, arena = engine.model, engine.arena
@@ -70,10 +74,11 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     ledger = arena.ledger
     mine = {"blocks": {p: ledger.refcount(p) for s in seqs for p in s.block_table},
             "free": ledger.free_pages() + cut_pages(model, arena, tp, rank),
-            "seqs": [] if rank == 0 else engine.export_sequences()}
+            "seqs": [] if rank == 0 else engine.export_sequences(), "carry": carry}
     everyone: list[dict] = [None] * tp  # type: ignore[list-item]
     with checked(f"instance {instance_id}: sharing what each member holds"):
         dist.all_gather_object(everyone, mine, group=group)
+    everyone = world.in_member_order(members, everyone)
     clock.lap("share_s")
 
     heads_per_page = arena.kv_cache.shape[1]
@@ -95,13 +100,14 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
                                                           for _ in range(spare)]
     instance = InstancePlan(id=instance_id, leader=members[0], members=list(members), tp=tp,
                             layers=[LayerPlan(placement=list(members), bits=16 if b == model.full_bits else b)
-                                    for b in model.layer_bits])
+                                    for b in model.layer_bits], merged=True)
     report = dict(live_blocks=len(names), blocks=capacity, head_moves=len(plan.moves), **moved,
                   ffn_pages_freed=sum(map(len, membership.freed.values())), boundary_pages=membership.boundary_pages,
                   **clock.laps)
     state = MergedState(membership, member_heads, {block_id[name]: name for name in names}, set(pool.free),
                         {} if rank else {s.request_id: 0 for s in seqs} | {
-                            p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]}, report)
+                            p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]}, report,
+                        [e["carry"] for e in everyone])
     member = InstanceMember.merged(world, instance, me, engine, torch.tensor(units, dtype=torch.int64), capacity,
                                    state)
     if rank == 0:
@@ -119,18 +125,21 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     return member
 
 
-def split(engine: "LLMEngine", member: InstanceMember) -> dict:
+def split(engine: "LLMEngine", member: InstanceMember,
+          carry: Callable[[list[str]], object] = lambda request_ids: None) -> dict:
     """Split the merged instance `member` belongs to back into executors that serve alone (every member
     calls this; the leader first, which starts it with a SPLIT step). Returns what it did and how long each
-    part took, here. Where the KV does not fit, every member raises KvPlanError alike before anything moved,
-    and the instance stays merged."""
+    part took, here; under "carried" what the leader's `carry(request ids)` (which must change nothing) gave
+    for the requests this member takes over, and under "moved" the member each request left for. Where the
+    KV does not fit, every member raises KvPlanError alike before anything moved, and the instance stays
+    merged."""
     members, me, world, state = member.plan.members, member.me, member.world, member.merged_state
     rank, arena = members.index(me), engine.arena
     clock = Clock()
     decision = [None]
     if member.is_leader:
         member.send_step(wire.StepPlan(wire.SPLIT))
-        decision = [_split_decision(engine, member)]
+        decision = [_split_decision(engine, member, carry)]
     with checked(f"instance {member.plan.id}: sharing the split's decision"):
         dist.broadcast_object_list(decision, world.rank_of(member.leader), group=member.group)
     targets, refs, handed, where = (decision[0][k] for k in ("targets", "refs", "handed", "where"))
@@ -141,6 +150,7 @@ def split(engine: "LLMEngine", member: InstanceMember) -> dict:
     everyone: list[dict] = [None] * len(members)  # type: ignore[list-item]
     with checked(f"instance {member.plan.id}: sharing the split's free units"):
         dist.all_gather_object(everyone, mine, group=member.group)
+    everyone = world.in_member_order(members, everyone)
     clock.lap("share_s")
     plan = plan_split(arena.kv_cache.shape[1], state.member_heads, [e["units"] for e in everyone],
                       [e["free"] for e in everyone], targets, state.home, [e["reserved"] for e in everyone],
@@ -157,12 +167,14 @@ def split(engine: "LLMEngine", member: InstanceMember) -> dict:
     report = dict(blocks_kept=len(pages), head_moves=len(plan.moves), head_copies=len(plan.copies), **moved,
                   ffn_bytes_refilled=written, **clock.laps, total_s=clock.total())
     log.info("executor %s: split from %s: %s", me, member.plan.id, report)
-    return report
+    return {**report, "carried": decision[0]["carried"].get(rank),
+            "moved": {rid: members[r] for rid, r in where.items() if r != rank}}
 
 
-def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
+def _split_decision(engine: "LLMEngine", member: InstanceMember, carry: Callable[[list[str]], object]) -> dict:
     """The leader's: which member serves each live block's sequence from now on, the blocks' reference counts,
-    and the sequences each other member takes (packed, block tables in instance block ids)."""
+    the sequences each other member takes (packed, block tables in instance block ids) and what `carry` sends
+    along with their requests."""
     origin = member.merged_state.origin
     load = [0] * len(member.plan.members)
     where: dict[str, int] = {}
@@ -176,8 +188,9 @@ def _split_decision(engine: "LLMEngine", member: InstanceMember) -> dict:
     for seq in seqs:
         if where[seq.request_id] != 0:
             handed.setdefault(where[seq.request_id], []).append(engine.pack_sequence(seq))
+    carried = {r: carry(list(dict.fromkeys(p["request_id"] for p in packed))) for r, packed in handed.items()}
     return {"targets": targets, "refs": {b: member.blocks.refcount(b) for b in targets}, "handed": handed,
-            "where": where}
+            "where": where, "carried": carried}
 
 
 def exchange_heads(arena, world: World, members: list[str], me: str, moves: list[HeadMove],

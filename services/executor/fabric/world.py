@@ -103,6 +103,12 @@ class World:
     def rank_of(self, executor: str) -> int:
         return self.names.index(executor)
 
+    def in_member_order(self, members: list[str] | tuple[str, ...], gathered: list) -> list:
+        """What a collective over group(members) gathered (one entry per group rank: the members in world rank
+        order) put back in `members`' own order."""
+        by_rank = sorted(members, key=self.rank_of)
+        return [gathered[by_rank.index(m)] for m in members]
+
     def group(self, members: list[str] | tuple[str, ...]):
         """The subgroup of exactly these executors (created at start)."""
         return self._groups[tuple(sorted(self.rank_of(m) for m in members))]

@@ -64,6 +64,7 @@ class Merge:
 @dataclass(frozen=True)
 class Refuse:
     reason: str
+    never: bool = False  # no instance the cluster can form holds the request (else: not now)
 
 
 Decision = Route | Merge | Refuse
@@ -120,7 +121,7 @@ def decide(tokens: int, instances: list[Instance], strategy: str = "amoebas",
         return Route(min(fits, key=lambda i: (-i.tp if long_ else 0, i.load, -i.blocks_free, i.id)).id)
     if not _reachable(need, instances, allowed):
         return Refuse(f"a request of {tokens} tokens needs {need} KV blocks; no instance this cluster can form "
-                      f"holds that many")
+                      f"holds that many", never=True)
     if not open_:
         return Refuse("every instance is draining towards a split; try again")
     if strategy == "amoebas":

@@ -19,7 +19,7 @@ import time
 
 from services.gateway.openai_api import ApiError
 from shared.commands import CommandSender
-from shared.messages import ClusterState, CommandResult, TpMergeArgs, TpSplitArgs
+from shared.messages import ClusterState, CommandResult, TpMergeArgs
 from shared.tp_scheduler import (MAX_TP, Merge, Refuse, Route, SchedulerState, capacity, decide, instances_from,
                                  world_allows)
 
@@ -65,10 +65,6 @@ async def send_merge(sender: CommandSender, executors: list[str], reason: str,
     return list(await asyncio.gather(*(sender.send(e, args, reason) for e in executors)))
 
 
-async def send_split(sender: CommandSender, leader: str, instance: str, reason: str) -> CommandResult:
-    return await sender.send(leader, TpSplitArgs(instance=instance), reason)
-
-
 async def wait_shown(get_state, shows, timeout_s: float = SHOWN_WAIT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -109,7 +105,7 @@ class MergeScheduler:
             elif isinstance(decision, Merge) and (four := self._four_for(need, decision, instances, state)):
                 decision = four
             if isinstance(decision, Refuse):
-                if "no instance this cluster can form" in decision.reason:
+                if decision.never:
                     raise ApiError(400, f"This model's context cannot hold the request here: {decision.reason}",
                                    "invalid_request_error", "max_tokens", "context_length_exceeded")
                 raise ApiError(503, decision.reason, "server_error", None, "no_capacity")

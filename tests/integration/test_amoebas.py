@@ -61,9 +61,19 @@ def kv_blocks(url: str) -> dict[str, int]:
             for e in httpx.get(f"{url}/v1/cluster", timeout=10).json()["executors"]}
 
 
+def until(predicate, timeout: float = 10.0) -> bool:
+    """Whether `predicate` holds within `timeout` (the monitor's view lags the executors a little)."""
+    deadline = time.monotonic() + timeout
+    while not (ok := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ok
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     proc = serve(tmp_path_factory.mktemp("amoebas"), "default", FLAGS, "--executors", "2")
+    # `up` is ready once one executor serves; these tests start from both.
+    assert until(lambda: [i["tp"] for i in instances(proc.url)] == [1, 1], 120), instances(proc.url)
     events = EventLog(proc.nats_url())
     yield proc, events
     events.close()
@@ -132,14 +142,6 @@ def morph(url: str, body: dict) -> httpx.Response:
 
 def executor(url: str, name: str) -> dict:
     return next(e for e in httpx.get(f"{url}/v1/cluster", timeout=10).json()["executors"] if e["id"] == name)
-
-
-def until(predicate, timeout: float = 10.0) -> bool:
-    """Whether `predicate` holds within `timeout` (the monitor's view lags the executors a little)."""
-    deadline = time.monotonic() + timeout
-    while not (ok := predicate()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return ok
 
 
 def test_merge_and_split_by_hand_out_of_rank_order_refusals_and_cancels_of_requests_the_merge_moved(up):

@@ -67,9 +67,11 @@ def test_when_none_holds_it_the_least_loaded_pair_of_one_degree_merges():
 def test_a_request_no_instance_the_cluster_can_form_holds_is_refused():
     cluster = [tp1(i) for i in range(4)]
     decision = decide(700 * BS, cluster, allowed=aligned)
-    assert isinstance(decision, Refuse) and "needs 700 KV blocks" in decision.reason
+    assert isinstance(decision, Refuse) and decision.never and "needs 700 KV blocks" in decision.reason
     # Executors 2-5 are not an aligned quad: only pairs form, and a pair holds 280 blocks.
-    assert isinstance(decide(400 * BS, [tp1(i) for i in range(2, 6)], allowed=aligned), Refuse)
+    assert decide(400 * BS, [tp1(i) for i in range(2, 6)], allowed=aligned).never
+    draining = [tp1(i, accepting=False) for i in range(2)]
+    assert not decide(200 * BS, draining).never  # not now, but once they split
 
 
 def test_a_draining_instance_takes_no_new_request():

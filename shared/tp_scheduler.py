@@ -5,8 +5,8 @@ A new request goes to the least-loaded instance that can hold it; when consecuti
 already at a higher TP degree come first (fewer transformations). When none can hold it, the two
 least-loaded instances of one TP degree merge (a step of x2: TP1 -> TP2 -> TP4) and the request waits for
 the merge: at the lowest degree whose merge holds it, else at the highest degree that can merge at all, so
-that the next decision can step again. A request is refused only when no instance the cluster could form
-holds it. Once a merged instance runs nothing that needs it merged, it takes no new requests until its KV
+that the next decision can step again. A request is refused for good only when no instance the cluster
+could form holds it even empty (`Refuse.never`); short of room only now, it is refused for now. Once a merged instance runs nothing that needs it merged, it takes no new requests until its KV
 is `free_fraction` free, then splits.
 
 The baselines (the paper's Fig. 12) pick an instance round-robin or least-loaded first, whatever its degree;
@@ -163,12 +163,12 @@ def _merge_for(need: int, open_: list[Instance], allowed) -> Merge | None:
 
 def _reachable(need: int, instances: list[Instance], allowed) -> bool:
     """Whether some instance the cluster could form (its instances merged, up to MAX_TP executors) holds
-    `need` blocks beside what its parts run now."""
+    `need` blocks when empty: what runs now ends, so a request short of room only now is not refused for ever."""
     for size in range(1, len(instances) + 1):
         for group in itertools.combinations(instances, size):
             members = tuple(m for i in group for m in i.members)
             if len(members) in (1, 2, 4) and (size == 1 or allowed(_members(*group))):
-                if capacity(members, group[0].kv_heads) - sum(i.blocks_used for i in group) >= need:
+                if capacity(members, group[0].kv_heads) >= need:
                     return True
     return False
 

@@ -112,3 +112,21 @@ def test_a_request_only_four_hold_merges_four_executors_serving_alone_at_once():
     assert four is not None and four.tp == 4 and sorted(four.instances) == WORLD
     assert tp_merges.MergeScheduler._four_for(400, decide(400 * 16, instances, "amoebas", tp_merges.allowed_in(s)),
                                               instances, s) is None  # a pair holds it
+
+
+def test_a_request_no_instance_the_cluster_can_form_holds_is_a_400_and_a_draining_cluster_a_503():
+    import asyncio
+
+    s = state(solo("exec0"), solo("exec1"))
+    scheduler = tp_merges.MergeScheduler(sender=None, get_state=lambda: s)
+    with pytest.raises(ApiError) as err:  # TP2 holds 450 blocks
+        asyncio.run(scheduler.make_room(500 * 16, "m", "exec0"))
+    assert err.value.status == 400 and "needs 500 KV blocks" in err.value.message
+    merged_pair = state(*merged("exec0", "exec1", free=100, used=350, longest=50))  # draining, too full for it
+    scheduler = tp_merges.MergeScheduler(sender=None, get_state=lambda: merged_pair)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(scheduler.make_room(200 * 16, "m", "exec0"))
+    assert err.value.status == 503 and err.value.code == "no_capacity"
+    reopen = state(*merged("exec0", "exec1", free=300, used=150, longest=50))  # draining, and it holds it
+    scheduler = tp_merges.MergeScheduler(sender=None, get_state=lambda: reopen)
+    assert asyncio.run(scheduler.make_room(200 * 16, "m", "exec0")) == "exec0"

@@ -126,3 +126,8 @@ def test_every_decision_is_one_the_cluster_can_carry_out(cluster, tokens, strate
         assert not any(i.accepting and i.blocks_free >= need for i in cluster) or strategy != "amoebas"
     else:
         assert strategy != "amoebas" or not any(i.accepting and i.blocks_free >= need for i in cluster)
+        # For good only when nothing the cluster could form holds it even empty: a single instance, or a pair.
+        holds = any(capacity(i.members, HEADS) >= need for i in cluster) or any(
+            capacity(a.members + b.members, HEADS) >= need for a in cluster for b in cluster
+            if a.id < b.id and a.tp == b.tp == 1 and aligned((a.members[0].executor, b.members[0].executor)))
+        assert not (decision.never and holds)

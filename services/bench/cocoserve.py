@@ -13,12 +13,9 @@ end-to-end latency and TTFT, and SLO violations side by side; the JSON and a plo
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -26,7 +23,7 @@ import httpx
 from services.bench.client import replay, served_model
 from services.bench.metrics import percentile, summarize
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, tokenized_prompts
+from services.bench.run import UpProcess, provenance, tokenized_prompts
 from services.bench.trace import TraceRequest
 from shared.config import PROJECT_ROOT, data_dir
 from shared.net import free_port
@@ -161,10 +158,7 @@ def main(argv: list[str]) -> int:
             print(f"morphling bench-cocoserve: {config}: {e}", file=sys.stderr)
             return 1
     compared = print_table(rows, args.rates)
-    report = dict(rows=rows, compared=compared,
-                  config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count()),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    report = dict(rows=rows, compared=compared, **provenance(args))
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     plot(rows, args.out / "sweep.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'sweep.png'}")

@@ -13,11 +13,8 @@ go to `--out`.
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -25,7 +22,7 @@ import httpx
 from services.bench.client import ClusterSample, RequestRecord, replay, served_model
 from services.bench.metrics import percentile
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, tokenized_prompts
+from services.bench.run import UpProcess, provenance, tokenized_prompts
 from services.bench.trace import TraceRequest
 from shared.config import data_dir
 from shared.net import free_port
@@ -173,9 +170,7 @@ def main(argv: list[str]) -> int:
             print(f"morphling bench-hybrid: {strategy}: {e}", file=sys.stderr)
             return 1
     print_table(results)
-    report = dict(results=results, config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count()),
-                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    report = dict(results=results, **provenance(args))
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     plot(results, args.long_tokens[0], args.out / "timeline.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'timeline.png'}")

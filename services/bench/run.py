@@ -112,6 +112,13 @@ def up_command(args: argparse.Namespace, mode: str, port: int, log_dir: Path) ->
             "--max-model-len", str(args.max_len), "--timeout", str(args.startup_timeout)]
 
 
+def provenance(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
+    """What a benchmark's JSON records beside its results: the flags it ran with, the machine and the date."""
+    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip},
+            "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 class UpProcess:
     """One `morphling up` in a child process: started, waited for, stopped the way Ctrl-C stops it."""
 
@@ -278,11 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
     compared = comparison(results)
     plot_ttft_cdf(results, args.slo_ttft, args.out / "ttft_cdf.png")
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
-    config |= {"requests": len(requests), "replay_s": replay_s}
-    report = {"modes": results, "comparison": compared, "config": config,
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    report = {"modes": results, "comparison": compared, **provenance(args, skip=("api_key",))}
+    report["config"] |= {"requests": len(requests), "replay_s": replay_s}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     print_table(results, compared)
     print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} and a timeline per mode")

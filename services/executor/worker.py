@@ -112,12 +112,6 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
     return growth + sum(holders - 1 for holders in shared.values())
 
 
-def blocks_at_end(seq: Sequence, engine) -> int:
-    """KV blocks `seq` holds once it ends at its max_tokens (else max_model_len): the engine's admission rule."""
-    tokens = min(len(seq.prompt_ids) + (seq.params.max_tokens or engine.max_model_len), engine.max_model_len)
-    return -(-(tokens - 1) // engine.config.block_size)
-
-
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
               code: str | None = None) -> Admission:
     return Admission(request_id=req.request_id, executor=executor, accepted=False,
@@ -235,11 +229,12 @@ class EngineWorker:
 
     def _take_snapshot(self) -> Snapshot:
         scheduler = self.engine.scheduler
-        seqs = [*scheduler.running, *scheduler.waiting]
+        longest = max((self.engine.kv_blocks_at_end(len(s.prompt_ids), s.params.max_tokens)
+                       for s in [*scheduler.running, *scheduler.waiting]), default=0)
         return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
-                        pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len),
-                        max((blocks_at_end(s, self.engine) for s in seqs), default=0), self._units())
+                        pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
+                        self._units())
 
     def _units(self) -> dict[int, int]:
         """merge.kv_units, recomputed only when the layers' bits change. In a merged instance (whose bits do

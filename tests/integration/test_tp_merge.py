@@ -38,6 +38,20 @@ def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
         out.setdefault(d.request_id, []).extend(d.token_ids)
 
 
+def _config(model: str, tmp_path) -> EngineConfig:
+    # Four sequences at once, in arenas of a few hundred pages of 8 tokens.
+    return EngineConfig(model=model, memory_budget=4 << 20, block_size=8, max_model_len=128, max_num_seqs=4,
+                        prepare_variants=True, variant_cache_dir=str(tmp_path / "variants"))
+
+
+def _finish(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step `engine` until its requests end; the tokens they got meanwhile."""
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        _step(engine, out)
+    return out
+
+
 def _alone_first(config: EngineConfig, params: SamplingOptions, requests: tuple[int, ...]
                  ) -> tuple[LLMEngine, dict[str, list[int]]]:
     """An engine serving alone, `STEPS_ALONE` steps into `requests`, and the tokens they have so far."""
@@ -59,10 +73,7 @@ def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, afte
         while member.follow_one() != wire.SPLIT:
             pass
         split(engine, member)
-        out = {}
-        while engine.has_unfinished():
-            _step(engine, out)
-        after.put(out)
+        after.put(_finish(engine))
     except FabricError as exc:
         after.put(repr(exc))
     world.close()
@@ -71,9 +82,7 @@ def _exec1(config: EngineConfig, url: str, params: SamplingOptions, before, afte
 def test_two_executors_merge_mid_stream_into_tp2_and_split_back_and_every_request_keeps_its_tokens(tmp_path):
     # Four sequences at once: the request added to the merged instance waits there, with no blocks, until the
     # split hands it to a member.
-    config = EngineConfig(model=str(write_tiny_llama3(tmp_path / "tiny")), memory_budget=4 << 20, block_size=8,
-                          max_model_len=128, max_num_seqs=4, prepare_variants=True,
-                          variant_cache_dir=str(tmp_path / "variants"))
+    config = _config(str(write_tiny_llama3(tmp_path / "tiny")), tmp_path)
     params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS, params)]
 
@@ -129,10 +138,7 @@ def _member_of_four(config: EngineConfig, url: str, rank: int, params: SamplingO
             while member.follow_one() != wire.SPLIT:
                 pass
         split(engine, member)
-        after: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            _step(engine, after)
-        out_queue.put((rank, [alone, merged, after], member.plan.tp))
+        out_queue.put((rank, [alone, merged, _finish(engine)], member.plan.tp))
     except Exception as exc:  # reported, so that the test fails with it instead of timing out
         out_queue.put((rank, repr(exc), 0))
     finally:
@@ -140,9 +146,7 @@ def _member_of_four(config: EngineConfig, url: str, rank: int, params: SamplingO
 
 
 def test_four_executors_merge_into_tp4_out_of_rank_order_and_split_back_with_every_request_intact(tmp_path):
-    config = EngineConfig(model=str(write_tiny_llama_8kv(tmp_path / "tiny8kv")), memory_budget=4 << 20, block_size=8,
-                          max_model_len=128, max_num_seqs=4, prepare_variants=True,
-                          variant_cache_dir=str(tmp_path / "variants"))
+    config = _config(str(write_tiny_llama_8kv(tmp_path / "tiny8kv")), tmp_path)
     params = SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = [c.outputs[0].token_ids for c in LLMEngine(config, progress=False).generate(PROMPTS[:4], params)]
     ctx = multiprocessing.get_context("spawn")

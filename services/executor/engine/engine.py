@@ -140,11 +140,10 @@ class LLMEngine:
                 f"{wanted} tokens ({len(prompt_ids)} in the prompt, {wanted - len(prompt_ids)} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
                 param="max_tokens" if params.max_tokens else "prompt")
-        # A sequence needs the KV of every token but its last; one without max_tokens may grow to max_model_len.
-        kv_tokens = (wanted if params.max_tokens else self.max_model_len) - 1
-        blocks, capacity = -(-kv_tokens // self.config.block_size), self.kv_capacity_blocks()
+        blocks, capacity = self.kv_blocks_at_end(len(prompt_ids), params.max_tokens), self.kv_capacity_blocks()
         if blocks > capacity:
-            raise KvCapacityError(len(prompt_ids), kv_tokens + 1, blocks, capacity)
+            raise KvCapacityError(len(prompt_ids), wanted if params.max_tokens else self.max_model_len, blocks,
+                                  capacity)
         arrival = arrival_time or time.time()
         if resume:
             seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r)
@@ -384,6 +383,12 @@ class LLMEngine:
     def keepalive(self) -> None:
         """Called while there is nothing to step: an instance's leader tells its members it lives."""
         self.runner.keepalive()
+
+    def kv_blocks_at_end(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """KV blocks a sequence holds once it ends: at max_tokens, else (it may grow so far) max_model_len. Its
+        last token is sampled but never written to the cache."""
+        tokens = min(prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
+        return -(-(tokens - 1) // self.config.block_size)
 
     def kv_capacity_blocks(self) -> int:
         """KV blocks the instance holds when empty: the most one sequence can take."""

@@ -31,8 +31,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
     "bench-hybrid": ("services.bench.hybrid",
                      "AMOEBAs' scheduler vs round-robin vs least-load-first on short and long requests (Fig. 12)"),
+    "bench-plan": ("services.executor.tools.bench_plan",
+                   "SplitQuant's planner: solve time by size, fleets against Uniform and Het, predicted vs measured here"),
     "profile": ("services.executor.tools.profile",
-                "rank decoder layers by importance (LIS) into a swap order; --speedup: fit the speed-up model"),
+                "rank decoder layers by importance (LIS) into a swap order; --speedup: fit the speed-up model; "
+                "--latency: time layers by phase and bits (SplitQuant); --indicator: the variance indicator ω"),
+    "plan": ("services.executor.tools.plan",
+             "SplitQuant: per-layer bits, layers across a mixed GPU fleet and micro-batch sizes (an ILP)"),
     "eval": ("services.executor.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
     "morph": ("services.admin_cli:morph_main",
               "by hand through a gateway: quantize or restore layers, replicate, migrate or evict them, cap the batch, "

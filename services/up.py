@@ -22,6 +22,7 @@ world cannot be rejoined, so a restarted executor comes back without it and serv
 """
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -66,14 +67,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="morphling up", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     ap.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP address")
-    ap.add_argument("--executors", type=int, default=1, help="executor processes (one per GPU on cuda)")
+    ap.add_argument("--executors", type=int,
+                    help="executor processes (one per GPU on cuda); default 1, or one per device of a --plan from "
+                         "`morphling plan`")
     ap.add_argument("--model", default="default",
                     help=f"'default' ({DEFAULT_MODEL_NAME}), a Hugging Face directory or a .gguf file")
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda (executor i on cuda:i), or one explicit device for every executor")
-    ap.add_argument("--memory-budget", help="bytes of each executor's page arena, e.g. 2GiB")
+    ap.add_argument("--memory-budget", help="bytes of each executor's page arena, e.g. 2GiB (default: the memory a "
+                                            "`morphling plan` file gives each device, else the executor's)")
     ap.add_argument("--max-model-len", type=int,
-                    help="longest sequence (prompt + output) served; default: the model's own context")
+                    help="longest sequence (prompt + output) served; default: the context a `morphling plan` file "
+                         "was planned for, else the model's own")
     ap.add_argument("--mode", default="off", choices=("off", *MORPHING_MODES),
                     help="how eagerly the controller morphs under load (default %(default)s)")
     ap.add_argument("--cocoserve", default="off", choices=("off", "scale-down", "default"),
@@ -126,6 +131,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="with several executors: how long each collective between them may take before it fails "
                          "(the executors' default 30)")
     args = ap.parse_args(argv)
+    args.planned = planned(args.plan) if args.plan is not None else {}
+    if args.executors is None:
+        args.executors = len(args.planned.get("devices", [])) or 1
+    if args.max_model_len is None and "context" in args.planned:
+        args.max_model_len = args.planned["context"]
     if args.executors < 1:
         ap.error("--executors must be at least 1")
     if args.tp is not None and args.tp < 1:
@@ -138,6 +148,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except ValueError as e:
             ap.error(str(e))
     return args
+
+
+def planned(path: Path) -> dict:
+    """What a `morphling plan` file says beside its instances: each executor's memory (`devices`) and the
+    context the plan reserved KV for. A hand-written plan has neither; an unreadable one is refused later."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    out = {}
+    devices = data.get("devices")
+    if isinstance(devices, list) and all(isinstance(d, dict) and isinstance(d.get("memory"), int) for d in devices):
+        out["devices"] = {d.get("executor", f"exec{i}"): d["memory"] for i, d in enumerate(devices)}
+    context = (data.get("workload") or {}).get("context") if isinstance(data.get("workload"), dict) else None
+    if isinstance(context, int) and context >= 2:
+        out["context"] = context
+    return out
 
 
 def refused(args: argparse.Namespace) -> str | None:
@@ -188,6 +217,8 @@ def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[s
            "--device", device, "--static-bits", str(args.static_bits), "--swap-order", args.swap_order]
     if args.memory_budget is not None:
         out += ["--memory-budget", args.memory_budget]
+    elif f"exec{index}" in args.planned.get("devices", {}):
+        out += ["--memory-budget", str(args.planned["devices"][f"exec{index}"])]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
     if device == "cpu" and args.executors > 1:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class Message(BaseModel):
@@ -176,6 +176,10 @@ class InstancePlan(Part):
     layers: list[LayerPlan]
     # Formed at run time by tp_merge (AMOEBAs) rather than planned: it splits back once its long requests end.
     merged: bool = False
+    # "all": every member keeps a slot for every layer, so CoCoServe can bring any layer to any member.
+    # "placed": a member keeps slots only for the layers placed on it (a SplitQuant plan: `morphling plan`),
+    # so a small device need not hold the whole model's slots; its layers then cannot move.
+    slots: Literal["all", "placed"] = "all"
 
 
 class KvUnits(Part):

@@ -148,6 +148,10 @@ def reshaped(plan: InstancePlan, op: ReplicateArgs | MigrateArgs | EvictArgs) ->
     if plan.tp > 1:
         raise OperationRefused(f"instance {plan.id} is TP{plan.tp}: its layers are sharded over every member, "
                                f"so they cannot be replicated, migrated or evicted one by one")
+    if plan.slots == "placed" and not isinstance(op, EvictArgs):
+        raise OperationRefused(f"instance {plan.id} was planned with slots for its placed layers only (a SplitQuant "
+                               f"plan): a member has no room kept for another layer, so layers cannot be replicated "
+                               f"or migrated")
     if op.layers[1] >= len(plan.layers):
         raise OperationRefused(f"layers [{op.layers[0]}, {op.layers[1]}]: the model has {len(plan.layers)} "
                                f"decoder layers (0 to {len(plan.layers) - 1})")

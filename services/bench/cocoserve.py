@@ -23,7 +23,8 @@ import httpx
 from services.bench.client import replay, served_model
 from services.bench.metrics import percentile, summarize
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, provenance, tokenized_prompts
+from services.bench.run import UpProcess, tokenized_prompts
+from shared.provenance import provenance
 from services.bench.trace import TraceRequest
 from shared.config import PROJECT_ROOT, data_dir
 from shared.net import free_port

@@ -22,7 +22,8 @@ import httpx
 from services.bench.client import ClusterSample, RequestRecord, replay, served_model
 from services.bench.metrics import percentile
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, provenance, tokenized_prompts
+from services.bench.run import UpProcess, tokenized_prompts
+from shared.provenance import provenance
 from services.bench.trace import TraceRequest
 from shared.config import data_dir
 from shared.net import free_port

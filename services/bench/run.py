@@ -24,8 +24,6 @@ MorphServe's headline comparison.
 import argparse
 import asyncio
 import json
-import os
-import platform
 import queue
 import signal
 import subprocess
@@ -34,7 +32,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -45,6 +42,7 @@ from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.prompts import PromptPool, read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
 from services.bench.trace import TraceError, TraceRequest, load_trace
+from shared.provenance import provenance
 from shared.config import data_dir, parse_size
 from shared.net import free_port
 
@@ -110,13 +108,6 @@ def up_command(args: argparse.Namespace, mode: str, port: int, log_dir: Path) ->
             "--device", args.device, "--memory-budget", args.memory_budget,
             "--mode", controller_mode or args.morph_mode, "--static-bits", str(bits), "--log-dir", str(log_dir),
             "--max-model-len", str(args.max_len), "--timeout", str(args.startup_timeout)]
-
-
-def provenance(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
-    """What a benchmark's JSON records beside its results: the flags it ran with, the machine and the date."""
-    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip},
-            "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 class UpProcess:

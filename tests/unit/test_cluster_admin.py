@@ -40,7 +40,7 @@ def test_instances_are_listed_in_the_plan_shape_with_replicas_per_layer():
     assert body["instances"] == [{"id": "i0", "leader": "exec0", "members": ["exec0", "exec1"], "tp": 1,
                                   "layers": [{"placement": ["exec0"], "bits": 16}, {"placement": ["exec1"], "bits": 8},
                                              {"placement": ["exec0", "exec1"], "bits": 4}],
-                                  "merged": False, "replicas": [1, 1, 2]}]
+                                  "merged": False, "slots": "all", "replicas": [1, 1, 2]}]
     # What a running cluster shows can be written to a --plan file once the derived `replicas` is dropped.
     shown = [{k: v for k, v in i.items() if k != "replicas"} for i in body["instances"]]
     assert parse_plans({"instances": shown}, ["exec0", "exec1"], 3) == [plan]

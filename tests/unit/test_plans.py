@@ -283,3 +283,12 @@ def test_a_tp_instance_refuses_layer_operations():
     [plan] = tp_plans(TWO, 2, 4)
     with pytest.raises(OperationRefused, match="TP2"):
         reshaped(plan, ReplicateArgs(instance=plan.id, layers=[0, 0], to="exec1"))
+
+
+def test_a_planned_instance_refuses_to_move_layers_its_members_keep_no_slot_for():
+    plan = InstancePlan(id="i0", leader="exec0", members=["exec0", "exec1"], slots="placed",
+                        layers=[LayerPlan(placement=["exec0"]), LayerPlan(placement=["exec1"], bits=4)])
+    for op in (ReplicateArgs(instance="i0", layers=[0, 0], to="exec1"),
+               MigrateArgs(instance="i0", layers=[1, 1], source="exec1", to="exec0")):
+        with pytest.raises(OperationRefused, match="slots for its placed layers only"):
+            reshaped(plan, op)

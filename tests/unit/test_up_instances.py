@@ -224,3 +224,20 @@ def test_a_world_in_ups_own_environment_does_not_reach_the_children(tmp_path, mo
     for child in children.values():
         if child["role"] != "nats-server":
             assert not set(WORLD_ENV) & set(child["env"])
+
+
+def test_a_planners_file_gives_each_executor_its_devices_memory_and_the_planned_context(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({
+        "instances": [{"members": ["exec0", "exec1"], "slots": "placed",
+                       "layers": [{"placement": ["exec0"]}, {"placement": ["exec1"], "bits": 4}]}],
+        "devices": [{"executor": "exec0", "name": "cpu", "memory": 503316480},
+                    {"executor": "exec1", "name": "cpu", "memory": 681574400}],
+        "workload": {"batch": 16, "prompt": 448, "output": 64, "chunks": 1, "context": 512}}))
+    args = parse_args(["--plan", str(plan)])
+    assert args.executors == 2 and args.max_model_len == 512 and refused(args) is None
+    budgets = [executor_args(args, "nats://x", i)[executor_args(args, "nats://x", i).index("--memory-budget") + 1]
+               for i in range(2)]
+    assert budgets == ["503316480", "681574400"]
+    given = parse_args(["--plan", str(plan), "--memory-budget", "1GiB", "--max-model-len", "256"])
+    assert "1GiB" in executor_args(given, "nats://x", 1) and given.max_model_len == 256

@@ -160,12 +160,14 @@ class InstanceView:
 
 def instances(state: ClusterState) -> list[InstanceView]:
     """The instances of several members whose leader is in the state, as their leaders report them (not TP
-    merges: AMOEBAs splits those back, policies/amoebas.py)."""
+    merges: AMOEBAs splits those back, policies/amoebas.py; nor SplitQuant plans, whose members keep no slot
+    for a layer to come)."""
     by_name = {es.executor: es for es in state.executors}
     views = []
     for es in state.executors:
         plan = es.telemetry.plan
-        if plan is not None and len(plan.members) > 1 and plan.leader == es.executor and not plan.merged:
+        if (plan is not None and len(plan.members) > 1 and plan.leader == es.executor and not plan.merged
+                and plan.slots == "all"):
             views.append(InstanceView(plan, {m: by_name[m] for m in plan.members if m in by_name}))
     return views
 

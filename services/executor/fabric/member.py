@@ -68,7 +68,7 @@ class InstanceMember:
         held = layers_on(plan, me)
         geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
         self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device,
-                           held)
+                           held, held if plan.slots == "placed" else None)
         reduce = self._all_reduce if plan.tp > 1 else None
         self.model = DecoderModel(cfg, self.arena, view, dtype, config.device, max_model_len, progress, reduce, held)
         self.hidden_size, self.dtype = cfg.hidden_size, dtype

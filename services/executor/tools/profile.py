@@ -276,9 +276,22 @@ def main(argv: list[str] | None = None) -> dict:
         from services.executor.tools import profile_speedup
 
         return profile_speedup.main([a for a in argv if a != "--speedup"])
+    if "--latency" in argv:  # SplitQuant's latency cost model, with flags of its own
+        from services.executor.tools import profile_latency
+
+        return profile_latency.main([a for a in argv if a != "--latency"])
+    if "--indicator" in argv:  # SplitQuant's variance indicator, with flags of its own
+        from services.executor.tools import indicator
+
+        return indicator.main([a for a in argv if a != "--indicator"])
     ap = argparse.ArgumentParser(prog="morphling profile", description=__doc__.splitlines()[0])
     ap.add_argument("--speedup", action="store_true",
                     help="instead, fit the speed-up model's coefficients (morphling profile --speedup --help)")
+    ap.add_argument("--latency", action="store_true",
+                    help="instead, fit the latency cost model per phase and bits (morphling profile --latency --help)")
+    ap.add_argument("--indicator", action="store_true",
+                    help="instead, rate each layer's quantization sensitivity by SplitQuant's variance indicator ω "
+                         "(morphling profile --indicator --help)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--max-tokens", type=int, default=1024, help="calibration tokens (cut into windows)")

@@ -79,23 +79,30 @@ def _mib(n: int) -> str:
 
 class Arena:
     def __init__(self, geometry: ArenaGeometry, budget_bytes: int, layer_bytes: int, min_kv_tokens: int,
-                 device: torch.device | str = "cpu", held: Collection[int] | None = None):
-        """`held`: the layers that get a slot now (all by default)."""
+                 device: torch.device | str = "cpu", held: Collection[int] | None = None,
+                 slotted: Collection[int] | None = None):
+        """`held`: the layers that get a slot now (all by default). `slotted`: the layers that have a slot at all
+        (all by default, so that any layer may come later); a planned member (InstancePlan.slots "placed")
+        keeps slots for the layers it holds only, packed from page 0, and its budget need not hold the rest."""
         self.geometry = geometry
         page_bytes = geometry.page_bytes
         num_pages = budget_bytes // page_bytes
         self.slot_pages = geometry.pages_for_bytes(layer_bytes)
         held = range(geometry.num_layers) if held is None else sorted(held)
+        slotted = range(geometry.num_layers) if slotted is None else sorted(slotted)
+        if not set(held) <= set(slotted):
+            raise ValueError(f"layers {sorted(set(held) - set(slotted))} are held but have no slot")
+        self._slot_index = {layer: n for n, layer in enumerate(slotted)}
         weight_pages = self.slot_pages * len(held)
         min_kv_pages = geometry.pages_for_tokens(min_kv_tokens)
-        # Every slot must fit where it sits, held now or not, since any layer may come later.
-        if num_pages < max(weight_pages + min_kv_pages, self.slot_pages * geometry.num_layers):
-            need = max(weight_pages + min_kv_pages, self.slot_pages * geometry.num_layers) * page_bytes
+        # Every slot must fit where it sits, held now or not, since any slotted layer may come later.
+        need = max(weight_pages + min_kv_pages, self.slot_pages * len(slotted))
+        if num_pages < need:
             raise MemoryBudgetError(
                 f"memory budget {_mib(budget_bytes)} holds {num_pages} pages of {_mib(page_bytes)}, but the "
                 f"{len(held)} decoder layers need {weight_pages} pages ({_mib(weight_pages * page_bytes)})"
                 f" and one sequence of {min_kv_tokens} tokens needs {min_kv_pages} more: "
-                f"raise the budget to at least {_mib(need)} or lower max_model_len")
+                f"raise the budget to at least {_mib(need * page_bytes)} or lower max_model_len")
         self.num_pages = num_pages
         if torch.device(device).type == "cpu":
             self.buffer, self._mapping = host_buffer(num_pages * page_bytes)
@@ -111,9 +118,15 @@ class Arena:
     def page_bytes(self) -> int:
         return self.geometry.page_bytes
 
+    def has_slot(self, layer: int) -> bool:
+        return layer in self._slot_index
+
     def slot_range(self, layer: int) -> range:
         """The pages of `layer`'s full-precision slot (slots are packed from page 0 upwards)."""
-        start = layer * self.slot_pages
+        if layer not in self._slot_index:
+            raise ValueError(f"layer {layer} has no slot in this arena (it keeps slots for layers "
+                             f"{sorted(self._slot_index)} only)")
+        start = self._slot_index[layer] * self.slot_pages
         return range(start, start + self.slot_pages)
 
     def slot_view(self, layer: int, byte_offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""SplitQuant's latency cost model: the fit, the FittedLatency the planner asks, and `morphling profile
+--latency`, which measures a real engine and writes the profile the model is read from."""
+
+import json
+
+import pytest
+import torch
+
+from shared.planner.latency import (
+    DECODE_FEATURES, PREFILL_FEATURES, FittedLatency, LatencyError, decode_features, fit, fit_error,
+    load_profile, prefill_features,
+)
+from services.executor.engine.morphing import variants
+from services.executor.tools import profile_latency
+from tests.checkpoints import write_tiny_llama_8kv
+
+PREFILL = [2e-4, 5e-5, 1e-6, 3e-7, 2e-10]
+DECODE = [1e-4, 2e-5, 4e-9, 1e-8]
+SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+         "dtype_bytes": 4, "num_layers": 30}
+
+
+def synthetic(coefficients, features, batches, lengths, noise=0.0, seed=0):
+    rng = torch.Generator().manual_seed(seed)
+    rows = []
+    for v in batches:
+        for n in lengths:
+            exact = sum(c * f for c, f in zip(coefficients, features(v, n)))
+            rows.append((v, n, exact * (1 + noise * float(torch.randn(1, generator=rng)))))
+    return rows
+
+
+def test_fit_recovers_known_coefficients():
+    prefill = fit(synthetic(PREFILL, prefill_features, [1, 2, 4, 8], [32, 64, 128, 256]), prefill_features)
+    decode = fit(synthetic(DECODE, decode_features, [1, 2, 4, 8], [64, 256, 512]), decode_features)
+    assert prefill == pytest.approx(PREFILL, rel=1e-6) and decode == pytest.approx(DECODE, rel=1e-6)
+
+
+def test_noisy_fit_stays_close_and_never_predicts_a_free_layer():
+    rows = synthetic(DECODE, decode_features, [1, 2, 4, 8], [64, 256, 512], noise=0.05)
+    coefficients = fit(rows, decode_features)
+    error = fit_error(rows, lambda v, c: sum(k * f for k, f in zip(coefficients, decode_features(v, c))))
+    assert error["points"] == 12 and error["mean_rel"] < 0.05 and error["max_rel"] < 0.15
+
+
+def test_a_fit_that_dips_below_zero_between_samples_is_constrained():
+    # v·((s − 20)² − 1) µs is positive at every sampled prompt but below zero at s = 20: the exact free fit
+    # (a negative v·s term) would promise a negative layer there, so the non-negative one is taken.
+    rows = [(v, s, 1e-6 * v * ((s - 20) ** 2 - 1)) for v in (1, 2, 4) for s in (10, 18.5, 30)]
+    coefficients = fit(rows, prefill_features)
+    assert all(k >= 0 for k in coefficients)
+    assert sum(k * f for k, f in zip(coefficients, prefill_features(2, 20))) > 0
+
+
+def test_fit_refuses_points_that_do_not_determine_the_model():
+    # Two prompt lengths cannot pin a term quadratic in s.
+    with pytest.raises(LatencyError, match="do not determine 5 coefficients"):
+        fit(synthetic(PREFILL, prefill_features, [1, 2, 4], [32, 64]), prefill_features)
+
+
+def fitted() -> FittedLatency:
+    return FittedLatency("cpu", SHAPE, {"prefill": {16: PREFILL, 4: PREFILL}, "decode": {16: DECODE, 4: DECODE}})
+
+
+def test_fitted_latency_round_trips_through_a_record(tmp_path):
+    model = fitted()
+    path = tmp_path / "latency.json"
+    path.write_text(json.dumps(model.to_profile()))
+    loaded = load_profile(path)
+    assert loaded == model and loaded.bits == [16, 4] and loaded.source == "measured"
+    expected = sum(c * f for c, f in zip(PREFILL, prefill_features(4, 128)))
+    assert loaded.prefill(16, 4, 128) == pytest.approx(expected)
+    assert loaded.decode(4, 8, 512) == pytest.approx(sum(c * f for c, f in zip(DECODE, decode_features(8, 512))))
+
+
+def test_unprofiled_bits_and_foreign_files_are_refused(tmp_path):
+    with pytest.raises(LatencyError, match="no decode latency at 8 bits: profiled \\[16, 4\\]"):
+        fitted().decode(8, 1, 64)
+    other = tmp_path / "speedup.json"
+    other.write_text(json.dumps({"kind": "speedup-profile"}))
+    with pytest.raises(LatencyError, match=f"{other}: not a latency-profile record"):
+        load_profile(other)
+    with pytest.raises(LatencyError, match="cannot read the latency profile"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_predictions_are_clamped_above_zero():
+    model = FittedLatency("cpu", SHAPE, {"prefill": {16: [-1.0, 0, 0, 0, 0]}, "decode": {16: [-1.0, 0, 0, 0]}})
+    assert model.prefill(16, 1, 1) > 0 and model.decode(16, 1, 1) > 0
+
+
+BATCHES, PROMPTS, CONTEXTS = (1, 6), (8, 32, 64), (16, 400)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The real command on a tiny checkpoint, two precisions, a small grid: its record and its JSON."""
+    tmp = tmp_path_factory.mktemp("latency")
+    model = write_tiny_llama_8kv(tmp / "tiny")
+    out = tmp / "results" / "latency.json"
+    threads = torch.get_num_threads()  # the command sets the process's torch threads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(variants, "DEFAULT_CACHE_DIR", tmp / "variants")
+        try:
+            record = profile_latency.main([
+                "--model", str(model), "--memory-budget", "24MiB", "--threads", "1", "--bits", "16,4",
+                "--batches", ",".join(map(str, BATCHES)), "--prompts", ",".join(map(str, PROMPTS)),
+                "--contexts", ",".join(map(str, CONTEXTS)), "--heldout-batches", "2,3", "--heldout-prompts", "16,48",
+                "--heldout-contexts", "64", "--layers-timed", "2", "--repeats", "1", "--decode-repeats", "5",
+                "--out", str(out)])
+        finally:
+            torch.set_num_threads(threads)
+    return record, out
+
+
+def test_profile_loads_as_a_fitted_latency(profiled):
+    record, out = profiled
+    written = json.loads(out.read_text())
+    assert written["coefficients"] == record["coefficients"] and out.with_suffix(".png").exists()
+    model = load_profile(out)
+    assert model.device == "cpu" and model.bits == [16, 4]
+    assert model.model == {"hidden_size": 128, "intermediate_size": 200, "num_heads": 16, "num_kv_heads": 8,
+                           "head_dim": 16, "dtype_bytes": 4, "num_layers": 4}
+    assert record["features"] == {"prefill": list(PREFILL_FEATURES), "decode": list(DECODE_FEATURES)}
+    assert len(record["samples"]["prefill"]) == 2 * len(BATCHES) * len(PROMPTS)
+    assert len(record["samples"]["decode"]) == 2 * len(BATCHES) * len(CONTEXTS)
+    assert all(s["seconds"] > 0 for phase in ("prefill", "decode") for s in record["samples"][phase])
+
+
+def test_fitted_profile_predicts_positive_times_that_grow_with_the_decode_batch(profiled):
+    record, out = profiled
+    model = load_profile(out)
+    for bits in (16, 4):
+        assert model.prefill(bits, 1, PROMPTS[0]) > 0 and model.prefill(bits, 3, 100) > 0
+        # the corners of the measured range: 6 × 400 past tokens read far more KV than 1 × 16 (about twice
+        # the time even in this tiny model, well clear of a shared machine's noise)
+        assert 0 < model.decode(bits, BATCHES[0], CONTEXTS[0]) < model.decode(bits, BATCHES[-1], CONTEXTS[-1])
+
+
+def test_heldout_error_is_reported_per_phase_and_bits(profiled):
+    record, _ = profiled
+    assert len(record["heldout"]["prefill"]) == 2 * 2 * 2 and len(record["heldout"]["decode"]) == 2 * 2
+    for phase, points in (("prefill", 4), ("decode", 2)):
+        for bits in ("16", "4"):
+            error = record["fit_error"][phase][bits]
+            assert error["points"] == points and 0 <= error["mean_rel"] <= error["max_rel"]

@@ -163,7 +163,8 @@ def planned(path: Path) -> dict:
     devices = data.get("devices")
     if isinstance(devices, list) and all(isinstance(d, dict) and isinstance(d.get("memory"), int) for d in devices):
         out["devices"] = {d.get("executor", f"exec{i}"): d["memory"] for i, d in enumerate(devices)}
-    context = (data.get("workload") or {}).get("context") if isinstance(data.get("workload"), dict) else None
+    workload = data.get("workload")
+    context = workload.get("context") if isinstance(workload, dict) else None
     if isinstance(context, int) and context >= 2:
         out["context"] = context
     return out

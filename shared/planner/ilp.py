@@ -10,7 +10,11 @@ Memory rows are in units of the largest unit's largest footprint rather than byt
 absolute, and a 10^10-byte row would make them meaningless.
 """
 
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +50,25 @@ class _Rows:
     def constraint(self, width: int) -> LinearConstraint:
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lb), width)).tocsr()
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS 1.12 (SciPy 1.17's) prints a stray debug line from C++ on stdout whatever its options say
+    (ERGO-Code/HiGHS#2783); it would land in the middle of `morphling plan`'s table."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep clean
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def solve(problem: Problem, time_limit: float | None = None) -> Solution:
@@ -117,8 +140,9 @@ def solve(problem: Problem, time_limit: float | None = None) -> Solution:
 
     options = {"time_limit": time_limit} if time_limit else {}
     started = time.perf_counter()
-    result = milp(c, constraints=rows.constraint(width), integrality=integrality,
-                  bounds=Bounds(lower, upper), options=options)
+    with _quiet_stdout():
+        result = milp(c, constraints=rows.constraint(width), integrality=integrality,
+                      bounds=Bounds(lower, upper), options=options)
     seconds = time.perf_counter() - started
     if result.x is None:
         return Solution(None, "infeasible" if result.status == 2 else "time limit", seconds, width)

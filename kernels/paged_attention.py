@@ -7,6 +7,13 @@ pages actually needed and does GQA by grouping query heads instead of
 replicating K/V.  The Triton kernel runs one program per (sequence, kv head) and
 streams the pages with an online softmax.
 
+A batch of few sequences gives that grid too few programs to keep a GPU's memory
+busy: at batch 1 an 8-kv-head model runs 8 programs for the whole context. So
+when the context spans several partitions and the grid is small, the context is
+split as well (flash-decoding): one program per (sequence, kv head, partition of
+PARTITION_TOKENS) writes its partial softmax state (running max, sum and
+unnormalised output), and a second kernel merges a sequence's partitions.
+
 Contract with the engine: every page a block table names, padding entries included,
 holds finite values (pages are zeroed when allocated, and padding entries repeat one
 of the sequence's own pages). The reference masks scores past a context length to
@@ -153,6 +160,156 @@ if _HAS_TRITON:
         )
 
 
+if _HAS_TRITON:
+
+    @triton.jit
+    def _paged_decode_partition_kernel(
+        q_ptr,
+        cache_ptr,
+        table_ptr,
+        ctx_ptr,
+        acc_ptr,
+        ml_ptr,
+        scale,
+        head_dim,
+        stride_qb,
+        stride_qh,
+        stride_qd,
+        stride_cp,
+        stride_ch,
+        stride_ckv,
+        stride_ct,
+        stride_cd,
+        stride_tb,
+        stride_tn,
+        stride_ab,
+        stride_ah,
+        stride_ap,
+        stride_ad,
+        stride_mb,
+        stride_mh,
+        stride_mp,
+        stride_m2,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PART_BLOCKS: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        part = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + seq)
+        first = part * PART_BLOCKS
+        last = tl.minimum(first + PART_BLOCKS, tl.cdiv(ctx, BLOCK_SIZE))
+        if first < last:  # a partition past this sequence's context has nothing to do, and is never merged
+            g = tl.arange(0, GROUP_PAD)
+            t = tl.arange(0, BLOCK_T)
+            d = tl.arange(0, BLOCK_D)
+            g_mask = g < GROUP
+            d_mask = d < head_dim
+            heads = kv_head * GROUP + g
+            q = tl.load(
+                q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            ).to(tl.float32) * scale
+
+            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+            head_base = cache_ptr + kv_head * stride_ch
+            for blk in range(first, last):
+                page = tl.load(table_ptr + seq * stride_tb + blk * stride_tn).to(tl.int64)
+                pos = blk * BLOCK_SIZE + t
+                t_mask = (t < BLOCK_SIZE) & (pos < ctx)
+                offs = page * stride_cp + t[:, None] * stride_ct + d[None, :] * stride_cd
+                kv_mask = t_mask[:, None] & d_mask[None, :]
+                k = tl.load(head_base + offs, mask=kv_mask, other=0.0).to(tl.float32)
+                v = tl.load(head_base + stride_ckv + offs, mask=kv_mask, other=0.0).to(tl.float32)
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+                s = tl.where(t_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                m_i = m_new
+
+            row = seq * stride_ab + heads * stride_ah + part * stride_ap
+            tl.store(acc_ptr + row[:, None] + d[None, :] * stride_ad, acc, mask=g_mask[:, None] & d_mask[None, :])
+            state = ml_ptr + seq * stride_mb + heads * stride_mh + part * stride_mp
+            tl.store(state, m_i, mask=g_mask)
+            tl.store(state + stride_m2, l_i, mask=g_mask)
+
+    @triton.jit
+    def _paged_decode_merge_kernel(
+        ctx_ptr,
+        acc_ptr,
+        ml_ptr,
+        out_ptr,
+        head_dim,
+        stride_ab,
+        stride_ah,
+        stride_ap,
+        stride_ad,
+        stride_mb,
+        stride_mh,
+        stride_mp,
+        stride_m2,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PART_TOKENS: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + seq)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < GROUP
+        mask = g_mask[:, None] & (d < head_dim)[None, :]
+        heads = kv_head * GROUP + g
+
+        m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_all = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        # Every partition merged here holds at least one token, so its max is finite and exp() never sees
+        # inf - inf; padding rows read a max of 0 and a sum of 1 and are never stored.
+        for part in range(0, tl.cdiv(ctx, PART_TOKENS)):
+            state = ml_ptr + seq * stride_mb + heads * stride_mh + part * stride_mp
+            m = tl.load(state, mask=g_mask, other=0.0)
+            total = tl.load(state + stride_m2, mask=g_mask, other=1.0)
+            a = tl.load(acc_ptr + (seq * stride_ab + heads * stride_ah + part * stride_ap)[:, None]
+                        + d[None, :] * stride_ad, mask=mask, other=0.0)
+            m_new = tl.maximum(m_all, m)
+            alpha = tl.exp(m_all - m_new)
+            beta = tl.exp(m - m_new)
+            l_all = l_all * alpha + total * beta
+            acc = acc * alpha[:, None] + a * beta[:, None]
+            m_all = m_new
+
+        out = acc / l_all[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Tokens of context one partition program streams. Untuned: a GPU run chooses it (issue 15).
+PARTITION_TOKENS = 512
+
+
+def split_context(batch: int, num_kv_heads: int, max_ctx: int, partition_tokens: int, device: torch.device) -> bool:
+    """Whether the (sequence, kv head) grid is too small for the device and the context long enough to split."""
+    if max_ctx <= partition_tokens:
+        return False
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return batch * num_kv_heads < 2 * units
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -160,14 +317,23 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    partition_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`paged_decode_attention_ref`."""
+    """Triton version of :func:`paged_decode_attention_ref`. `partition_tokens` splits the context into
+    partitions of that many tokens (a multiple of the block size) whatever the grid; None decides by
+    `split_context`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     # Selecting the layer on the host folds its offset into the base pointer.
     layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd]
+    if partition_tokens is None:
+        max_ctx = int(context_lens.max())
+        if split_context(batch, num_kv_heads, max_ctx, PARTITION_TOKENS, q.device):
+            partition_tokens = PARTITION_TOKENS
+    if partition_tokens is not None:
+        return _split_decode(q, layer_cache, block_tables, context_lens, scale, out, partition_tokens)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q,
         layer_cache,
@@ -186,6 +352,28 @@ def paged_decode_attention_triton(
         BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+    return out
+
+
+def _split_decode(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, partition_tokens: int) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = layer_cache.shape[1], layer_cache.shape[3]
+    if partition_tokens % block_size:
+        raise ValueError(f"a partition of {partition_tokens} tokens is not a whole number of {block_size}-token blocks")
+    group = num_heads // num_kv_heads
+    parts = triton.cdiv(int(context_lens.max()), partition_tokens)
+    acc = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
+    state = torch.empty(batch, num_heads, parts, 2, dtype=torch.float32, device=q.device)  # max, sum
+    common = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim))
+    _paged_decode_partition_kernel[(batch, num_kv_heads, parts)](
+        q, layer_cache, block_tables, context_lens, acc, state, float(scale), head_dim,
+        *q.stride(), *layer_cache.stride(), *block_tables.stride(), *acc.stride(), *state.stride(),
+        BLOCK_SIZE=block_size, BLOCK_T=triton.next_power_of_2(block_size),
+        PART_BLOCKS=partition_tokens // block_size, **common)
+    _paged_decode_merge_kernel[(batch, num_kv_heads)](
+        context_lens, acc, state, out, head_dim, *acc.stride(), *state.stride(), *out.stride(),
+        PART_TOKENS=partition_tokens, **common)
     return out
 
 

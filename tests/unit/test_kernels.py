@@ -272,3 +272,29 @@ def test_gather_kv_roundtrip():
         assert k.shape == (2, length, 48)
         assert torch.equal(k, k_full[:length].transpose(0, 1))
         assert torch.equal(v, v_full[:length].transpose(0, 1))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("partition_blocks", [1, 3])
+def test_decode_split_over_the_context_matches_ref(heads, block_size, partition_blocks):
+    # Partitions of 1 and 3 blocks: every context below spans several, and the short ones leave programs
+    # past their end with nothing to do.
+    q, kv_cache, tables, ctx, scale = decode_case(heads, 32, block_size, [1, block_size + 1, 97, 300], seed=7)
+    expected = paged_decode_attention_ref(q, kv_cache, LAYER, tables, ctx, scale)
+    out = paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale,
+                                        partition_tokens=partition_blocks * block_size)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_the_context_is_split_only_when_the_grid_is_small_and_the_context_long():
+    from kernels.paged_attention import PARTITION_TOKENS, split_context
+
+    cpu = torch.device("cpu")
+    assert not split_context(1, 8, PARTITION_TOKENS, PARTITION_TOKENS, cpu)
+    assert split_context(1, 1, 4 * PARTITION_TOKENS, PARTITION_TOKENS, cpu)
+    assert not split_context(64, 8, 4 * PARTITION_TOKENS, PARTITION_TOKENS, cpu)
+    with pytest.raises(ValueError, match="whole number"):
+        q, kv_cache, tables, ctx, scale = decode_case((4, 2), 32, 16, [40], seed=8)
+        paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, partition_tokens=20)

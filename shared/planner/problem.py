@@ -15,6 +15,7 @@ the decode time of the remaining n − 1 tokens") puts it on the whole decode pa
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.planner.devices import Device
 from shared.planner.memory import Workload
@@ -22,16 +23,14 @@ from shared.planner.memory import Workload
 Assignment = tuple[tuple[int, int], ...]  # per unit: (device index in pipeline order, bits index)
 
 
-class LayerLatency:
+class LayerLatency(Protocol):
     """What the ILP needs of a device's latency model: seconds of one decoder layer (latency.FittedLatency,
     measured; roofline.RooflineLatency, modelled)."""
     source: str
 
-    def prefill(self, bits: int, batch: int, prompt: int) -> float:
-        raise NotImplementedError
+    def prefill(self, bits: int, batch: int, prompt: int) -> float: ...
 
-    def decode(self, bits: int, batch: int, context: int) -> float:
-        raise NotImplementedError
+    def decode(self, bits: int, batch: int, context: int) -> float: ...
 
 
 @dataclass(frozen=True)

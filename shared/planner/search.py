@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from shared.planner import heuristic, ilp
 from shared.planner.devices import Device
 from shared.planner.memory import FULL_BITS, Workload
-from shared.planner.problem import Assignment, Costs, Evaluation, LayerLatency, build, evaluate, micro_batches
+from shared.planner.problem import Assignment, Costs, Evaluation, LayerLatency, Problem, build, evaluate, micro_batches
 
 # Above this many ILP variables, `auto` goes straight to the heuristic (about 80 layers on 8 devices at 3 bits).
 MAX_ILP_VARIABLES = 6000
@@ -94,7 +94,7 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def _solve(problem, request: Request) -> ilp.Solution:
+def _solve(problem: Problem, request: Request) -> ilp.Solution:
     units, bits = problem.num_units, len(problem.bits)
     variables = units * problem.num_devices * (bits + 1) + units * bits
     use_ilp = request.solver == "ilp" or (request.solver == "auto" and variables <= MAX_ILP_VARIABLES)
@@ -112,8 +112,7 @@ def search(request: Request, order_list: Sequence[tuple[int, ...]] | None = None
     check_fits(request)
     started = time.perf_counter()
     order_list = order_list or orders(request.devices, request.latencies)
-    sizes = micro_batches(request.workload.batch)
-    batches = batches or [(p, d) for p in sizes for d in sizes]
+    batches = batches or _pairs(request.workload.batch)
     best, solves = None, 0
     for order in order_list:
         devices = [request.devices[i] for i in order]

@@ -76,6 +76,43 @@ def paged_decode_attention_ref(
 if _HAS_TRITON:
 
     @triton.jit
+    def _attend_blocks(q, head_base, table_row, ctx, first, last, t, d, d_mask, stride_tn, stride_cp, stride_ckv,
+                       stride_ct, stride_cd, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        """Online softmax of the (scaled) query group `q` over the sequence's blocks [first, last): its running
+        max, sum and unnormalised output. Both decode kernels stream their pages through it."""
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        for blk in range(first, last):
+            page = tl.load(table_row + blk * stride_tn).to(tl.int64)
+            pos = blk * BLOCK_SIZE + t
+            t_mask = (t < BLOCK_SIZE) & (pos < ctx)
+            offs = page * stride_cp + t[:, None] * stride_ct + d[None, :] * stride_cd
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            # Masked loads keep garbage past the context out of the math entirely.
+            k = tl.load(head_base + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(head_base + stride_ckv + offs, mask=kv_mask, other=0.0).to(tl.float32)
+
+            # Groups can be 1..8 wide, below tl.dot's 16-row minimum, so the
+            # products are done as broadcast-multiply-reduce.
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_T]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+
+            # A non-empty range starts inside the context, so its first block has a finite score: m_new is
+            # finite from the first iteration on and exp() never sees inf-inf.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        return m_i, l_i, acc
+
+
+if _HAS_TRITON:
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr,
         cache_ptr,
@@ -122,36 +159,9 @@ if _HAS_TRITON:
         # Folding the scale into q once is cheaper than scaling every score.
         q = q * scale
 
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-
-        head_base = cache_ptr + kv_head * stride_ch
-        n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-        for blk in range(0, n_blocks):
-            page = tl.load(table_ptr + seq * stride_tb + blk * stride_tn).to(tl.int64)
-            pos = blk * BLOCK_SIZE + t
-            t_mask = (t < BLOCK_SIZE) & (pos < ctx)
-            offs = page * stride_cp + t[:, None] * stride_ct + d[None, :] * stride_cd
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            # Masked loads keep garbage past the context out of the math entirely.
-            k = tl.load(head_base + offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(head_base + stride_ckv + offs, mask=kv_mask, other=0.0).to(tl.float32)
-
-            # Groups can be 1..8 wide, below tl.dot's 16-row minimum, so the
-            # products are done as broadcast-multiply-reduce.
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_T]
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-
-            # ctx >= 1 guarantees the first block has a finite score, so m_new
-            # is finite from the first iteration on and exp() never sees inf-inf.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-
+        m_i, l_i, acc = _attend_blocks(q, cache_ptr + kv_head * stride_ch, table_ptr + seq * stride_tb, ctx, 0,
+                                       tl.cdiv(ctx, BLOCK_SIZE), t, d, d_mask, stride_tn, stride_cp, stride_ckv,
+                                       stride_ct, stride_cd, GROUP_PAD, BLOCK_SIZE, BLOCK_D)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
@@ -216,26 +226,9 @@ if _HAS_TRITON:
                 other=0.0,
             ).to(tl.float32) * scale
 
-            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-            head_base = cache_ptr + kv_head * stride_ch
-            for blk in range(first, last):
-                page = tl.load(table_ptr + seq * stride_tb + blk * stride_tn).to(tl.int64)
-                pos = blk * BLOCK_SIZE + t
-                t_mask = (t < BLOCK_SIZE) & (pos < ctx)
-                offs = page * stride_cp + t[:, None] * stride_ct + d[None, :] * stride_cd
-                kv_mask = t_mask[:, None] & d_mask[None, :]
-                k = tl.load(head_base + offs, mask=kv_mask, other=0.0).to(tl.float32)
-                v = tl.load(head_base + stride_ckv + offs, mask=kv_mask, other=0.0).to(tl.float32)
-                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-                s = tl.where(t_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-                m_i = m_new
+            m_i, l_i, acc = _attend_blocks(q, cache_ptr + kv_head * stride_ch, table_ptr + seq * stride_tb, ctx,
+                                           first, last, t, d, d_mask, stride_tn, stride_cp, stride_ckv, stride_ct,
+                                           stride_cd, GROUP_PAD, BLOCK_SIZE, BLOCK_D)
 
             row = seq * stride_ab + heads * stride_ah + part * stride_ap
             tl.store(acc_ptr + row[:, None] + d[None, :] * stride_ad, acc, mask=g_mask[:, None] & d_mask[None, :])

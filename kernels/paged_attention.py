@@ -310,23 +310,24 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context: int | None = None,
     partition_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`paged_decode_attention_ref`. `partition_tokens` splits the context into
-    partitions of that many tokens (a multiple of the block size) whatever the grid; None decides by
-    `split_context`."""
+    """Triton version of :func:`paged_decode_attention_ref`. `max_context` bounds `context_lens` without
+    reading them (a CUDA graph cannot wait for the device); None reads them. `partition_tokens` splits the
+    context into partitions of that many tokens (a multiple of the block size) whatever the grid; None
+    decides by `split_context`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     # Selecting the layer on the host folds its offset into the base pointer.
     layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd]
-    if partition_tokens is None:
-        max_ctx = int(context_lens.max())
-        if split_context(batch, num_kv_heads, max_ctx, PARTITION_TOKENS, q.device):
-            partition_tokens = PARTITION_TOKENS
+    max_ctx = int(context_lens.max()) if max_context is None else max_context
+    if partition_tokens is None and split_context(batch, num_kv_heads, max_ctx, PARTITION_TOKENS, q.device):
+        partition_tokens = PARTITION_TOKENS
     if partition_tokens is not None:
-        return _split_decode(q, layer_cache, block_tables, context_lens, scale, out, partition_tokens)
+        return _split_decode(q, layer_cache, block_tables, context_lens, scale, out, partition_tokens, max_ctx)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q,
         layer_cache,
@@ -349,13 +350,14 @@ def paged_decode_attention_triton(
 
 
 def _split_decode(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, partition_tokens: int) -> torch.Tensor:
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, partition_tokens: int,
+                  max_ctx: int) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = layer_cache.shape[1], layer_cache.shape[3]
     if partition_tokens % block_size:
         raise ValueError(f"a partition of {partition_tokens} tokens is not a whole number of {block_size}-token blocks")
     group = num_heads // num_kv_heads
-    parts = triton.cdiv(int(context_lens.max()), partition_tokens)
+    parts = triton.cdiv(max_ctx, partition_tokens)  # partitions past a sequence's context return at once
     acc = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
     state = torch.empty(batch, num_heads, parts, 2, dtype=torch.float32, device=q.device)  # max, sum
     common = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim))
@@ -377,8 +379,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention with Triton on CUDA, the batched torch path elsewhere."""
+    """Decode attention with Triton on CUDA, the batched torch path elsewhere (`max_context`: see Triton's)."""
     if _HAS_TRITON and q.is_cuda:
-        return paged_decode_attention_triton(q, kv_cache, layer, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(q, kv_cache, layer, block_tables, context_lens, scale, max_context)
     return paged_decode_attention_ref(q, kv_cache, layer, block_tables, context_lens, scale)

@@ -74,6 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help=f"'default' ({DEFAULT_MODEL_NAME}), a Hugging Face directory or a .gguf file")
     ap.add_argument("--device", default="cpu",
                     help="cpu, or cuda (executor i on cuda:i), or one explicit device for every executor")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="on CUDA, run every step eagerly instead of replaying captured decode graphs")
     ap.add_argument("--memory-budget", help="bytes of each executor's page arena, e.g. 2GiB (default: the memory a "
                                             "`morphling plan` file gives each device, else the executor's)")
     ap.add_argument("--max-model-len", type=int,
@@ -222,6 +224,8 @@ def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[s
         out += ["--memory-budget", str(args.planned["devices"][f"exec{index}"])]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
+    if args.enforce_eager:
+        out.append("--enforce-eager")
     if device == "cpu" and args.executors > 1:
         # torch takes every core for each process by default: N executors would oversubscribe the CPU N-fold,
         # and the slowest member holds up every collective of its instance.

@@ -96,6 +96,7 @@ class EngineConfig:
     variant_cache_dir: str | None = None  # None: ~/.cache/morphling/variants
     host_memory_cap: int | None = None  # bytes of host memory for held variants; None: no cap
     prepare_variants: bool = False  # build/load every variant at start (the executor does); False: at first swap
+    cuda_graphs: bool = True  # on CUDA, decode steps replay graphs captured at start (vLLM's enforce_eager: False)
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -80,6 +80,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the order layers are quantized in: auto, the model's LIS profile (computed and cached "
                         "at the first start when none ships for it); front, front to back; or a `morphling "
                         "profile` JSON file (default %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly instead of replaying captured decode graphs")
     p.add_argument("--lazy-variants", action="store_true",
                    help="build the INT8/INT4 layer variants at the first swap instead of at start (tests)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
@@ -125,7 +127,7 @@ def main(argv: list[str]) -> int:
     engine_config = replace(EngineConfig(), model=args.model, device=args.device, memory_budget=args.memory_budget,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_waiting=args.max_waiting, block_size=args.block_size,
-                            prepare_variants=not args.lazy_variants)
+                            prepare_variants=not args.lazy_variants, cuda_graphs=not args.enforce_eager)
     config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config,
                             bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait)
     from services.executor.fabric.world import FabricError

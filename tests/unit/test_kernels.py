@@ -298,3 +298,17 @@ def test_the_context_is_split_only_when_the_grid_is_small_and_the_context_long()
     with pytest.raises(ValueError, match="whole number"):
         q, kv_cache, tables, ctx, scale = decode_case((4, 2), 32, 16, [40], seed=8)
         paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, partition_tokens=20)
+
+
+@pytest.mark.parametrize("partition_tokens", [None, 16])
+def test_decode_with_a_context_bound_reads_no_lengths_and_ignores_padding_rows(partition_tokens):
+    # A CUDA graph passes a bound on the contexts (max_model_len) instead of the lengths' maximum, and pads its
+    # batch with rows of no context: the real rows come out as without the bound.
+    q, kv_cache, tables, ctx, scale = decode_case((6, 2), 32, 16, [1, 17, 97], seed=10)
+    expected = paged_decode_attention_ref(q, kv_cache, LAYER, tables, ctx, scale)
+    padded_q = torch.cat([q, torch.randn(2, *q.shape[1:])])
+    padded_tables = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=tables.dtype)])
+    padded_ctx = torch.cat([ctx, torch.zeros(2, dtype=ctx.dtype)])
+    out = paged_decode_attention_triton(padded_q, kv_cache, LAYER, padded_tables, padded_ctx, scale,
+                                        max_context=tables.shape[1] * 16, partition_tokens=partition_tokens)
+    torch.testing.assert_close(out[:3], expected, atol=ATOL, rtol=RTOL)

@@ -241,3 +241,9 @@ def test_a_planners_file_gives_each_executor_its_devices_memory_and_the_planned_
     assert budgets == ["503316480", "681574400"]
     given = parse_args(["--plan", str(plan), "--memory-budget", "1GiB", "--max-model-len", "256"])
     assert "1GiB" in executor_args(given, "nats://x", 1) and given.max_model_len == 256
+
+
+def test_enforce_eager_reaches_every_executor():
+    args = parse_args(["--device", "cuda", "--executors", "2", "--enforce-eager"])
+    assert all("--enforce-eager" in executor_args(args, NATS, i) for i in range(2))
+    assert "--enforce-eager" not in executor_args(parse_args(["--device", "cuda"]), NATS, 0)

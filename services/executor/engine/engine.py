@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.engine.errors import DuplicateRequestError, KvCapacityError
+from services.executor.engine.graphs import DecodeGraphs, warm_linears
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import LedgerSnapshot
@@ -84,7 +85,13 @@ class LLMEngine:
             self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len,
                                       progress)
             self.blocks = BlockManager(self.arena.ledger, config.block_size)
-            self.runner = ModelRunner(self.model, config.block_size, config.device)
+            graphs = None
+            if torch.device(config.device).type == "cuda":
+                warm_linears(self.model, config.variant_bits, config.max_num_batched_tokens)
+                if config.cuda_graphs:
+                    graphs = DecodeGraphs(self.model, config.block_size, self.max_model_len, config.max_num_seqs,
+                                          config.variant_bits, capture=True, progress=progress)
+            self.runner = ModelRunner(self.model, config.block_size, config.device, graphs)
         else:
             self.member = InstanceMember(seat, config, checkpoint, dtype, self.max_model_len, progress)
             self.arena, self.model = self.member.arena, self.member.model

@@ -1,5 +1,12 @@
 """Turns the scheduler's decision into the model's packed batch, runs it, returns logits to sample."""
 
+import torch
+
+from kernels.block_copy import copy_blocks
+from services.executor.engine.graphs import DecodeGraphs
+from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+
 # Decode attention gathers every sequence's context padded to the longest in its group; a new group
 # starts where padding would exceed this share of a sequence's context. Each group costs a few more
 # small ops per layer, so their number is capped.
@@ -19,23 +26,19 @@ def length_groups(lengths: list[int]) -> list[int]:
     return sizes
 
 
-import torch
-
-from kernels.block_copy import copy_blocks
-from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
-
-
 def batch_order(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """The order of the chunks' rows in the packed batch: decodes, longest context first, then prefills."""
     return [*sorted((c for c in chunks if c.length == 1), key=lambda c: -c.start), *(c for c in chunks if c.length > 1)]
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, block_size: int, device: torch.device | str):
+    def __init__(self, model: DecoderModel, block_size: int, device: torch.device | str,
+                 graphs: DecodeGraphs | None = None):
+        """`graphs`: decode steps they cover replay them (CUDA); the rest run eagerly."""
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.graphs = graphs
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Logits `[S, vocab]` (float32) for the chunks that complete their sequence, and those chunks."""
@@ -45,6 +48,13 @@ class ModelRunner:
         if out.copies:
             src, dst = zip(*out.copies)
             copy_blocks(kv_cache, self._tensor(src, torch.int64), self._tensor(dst, torch.int64))
+        if self.graphs is not None and self.graphs.covers(out.chunks):
+            chunks = batch_order(out.chunks)
+            logits = self.graphs.run(chunks)
+            rows = [row for row, c in enumerate(chunks) if c.completes]
+            if len(rows) < len(chunks):  # a prompt's one-token chunk that does not end it samples nothing
+                logits = logits[self._tensor(rows, torch.int64)]
+            return logits, [chunks[row] for row in rows]
         batch, sampled = self.build(out.chunks)
         return self.model.forward(batch), sampled
 

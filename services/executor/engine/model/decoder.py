@@ -11,6 +11,10 @@ so a piece's input channels are consecutive rows. The views a layer hands out ar
 tensors whatever the storage (`slot_views`), so every matmul, quantizer and evaluator sees one shape.
 Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result.
 
+Its element-wise steps (RMSNorm with the residual add, RoPE with the K/V write, SiLU·mul) are fused kernels on
+CUDA (kernels/fused.py), rounding where torch rounds; `layer` takes a layer's views and bits as arguments, so
+that decode graphs (graphs.py) can capture a layer at every width its slot can hold.
+
 The batch is flat: single-token decodes first (paged decode attention over their block tables, in groups
 of similar context length), then prefill chunks (attention over the chunk and the context already in
 cache). Only rows that sample get logits.
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from kernels.fused import add_rms_norm, rms_norm, rope_write_kv, rotate, silu_mul
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
@@ -182,13 +187,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 statistics whatever the serving dtype, as the reference implementation computes them
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T for a layer's weight `name` in whatever precision its slot holds now."""
     if bits == 8:
@@ -202,19 +200,11 @@ def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | 
 
 def mlp(h: torch.Tensor, w: dict, bits: int, width: int) -> torch.Tensor:
     """down(silu(gate(h)) · up(h)) over the FFN pieces `w` holds (all of them, or a shard's)."""
-    gate_up = linear(h, w, "gate_up_proj", bits).unflatten(-1, (-1, 2, width))
-    act = F.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    return linear(act.flatten(-2), w, "down_proj", bits)
+    return linear(silu_mul(linear(h, w, "gate_up_proj", bits), width), w, "down_proj", bits)
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass
@@ -232,6 +222,7 @@ class DecodeGroup:
     length: int
     block_tables: torch.Tensor  # [length, max_blocks] int32 (head units: [..., local KV heads])
     context_lens: torch.Tensor  # [length] int32, including the token itself
+    max_context: int | None = None  # a bound on context_lens known on the host (a graph's); None: read them
 
 
 @dataclass
@@ -301,31 +292,46 @@ class DecoderModel:
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, layers: range) -> torch.Tensor:
         """The hidden states `x` (one row per token of `batch`) after this model's decoder layers `layers`."""
-        cfg = self.cfg
-        n = x.shape[0]
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
-        kv_cache = self.arena.kv_cache
+        cos, sin = self.rotary(batch.positions)
         # Head units: the batch's slots and tables name a unit per local KV head; one batch per head, once.
         per_head = None if self.kv_units is None else [head_batch(batch, j) for j in range(batch.slot_mapping.shape[1])]
         for index in layers:
-            w, bits = self.layers[index], self.layer_bits[index]
-            if self.layer_ready[index] is not None:  # a swap's copy into this slot: wait for it, once
-                torch.cuda.current_stream().wait_event(self.layer_ready[index])
-                self.layer_ready[index] = None
-            h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = self._heads(linear(h, w, "qkv_proj", bits, w.get("qkv_bias")))
-            q, k, v = rotate(q, cos, sin), rotate(k, cos, sin), v
-            if per_head is None:
-                attn = self._attention(q, k, v, kv_cache, index, batch)
-            else:
-                group = q.shape[1] // k.shape[1]
-                attn = torch.cat([self._attention(q[:, j * group:(j + 1) * group], k[:, j:j + 1], v[:, j:j + 1],
-                                                  self.kv_units, index, b) for j, b in enumerate(per_head)], dim=1)
-            x = x + self.reduce(linear(self._o_input(attn.reshape(n, -1)), w, "o_proj", bits))
-            h = rms_norm(x, w["post_attn_norm"], cfg.rms_norm_eps)
-            x = x + self.reduce(mlp(h, w, bits, self.ffn_width))
+            self.wait_for_swap(index)
+            x = self.layer(x, index, self.layers[index], self.layer_bits[index], cos, sin, batch, per_head)
         return x
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin `[rows, 1, head_dim]` at `positions`."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def wait_for_swap(self, index: int) -> None:
+        """Order this stream after a swap still copying into layer `index`'s slot (once per swap)."""
+        if self.layer_ready[index] is not None:
+            torch.cuda.current_stream().wait_event(self.layer_ready[index])
+            self.layer_ready[index] = None
+
+    def layer(self, x: torch.Tensor, index: int, w: dict[str, torch.Tensor], bits: int, cos: torch.Tensor,
+              sin: torch.Tensor, batch: ForwardBatch, per_head: list[ForwardBatch] | None = None) -> torch.Tensor:
+        """Decoder layer `index` over `x`, its weights `w` (views of its slot holding `bits`): the layer as it is
+        now, or, when decode graphs are captured, as a swap would leave it."""
+        cfg, kv_cache = self.cfg, self.arena.kv_cache
+        h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        q, k, v = self._heads(linear(h, w, "qkv_proj", bits, w.get("qkv_bias")))
+        if per_head is None:
+            q, k = rope_write_kv(q, k, v, cos, sin, kv_cache, index, batch.slot_mapping)
+            attn = self._attend(q, k, v, kv_cache, index, batch)
+        else:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            group = q.shape[1] // k.shape[1]
+            parts = []
+            for j, b in enumerate(per_head):
+                qj, kj, vj = q[:, j * group:(j + 1) * group], k[:, j:j + 1], v[:, j:j + 1]
+                write_kv(kj, vj, self.kv_units, index, b.slot_mapping)
+                parts.append(self._attend(qj, kj, vj, self.kv_units, index, b))
+            attn = torch.cat(parts, dim=1)
+        o = self.reduce(linear(self._o_input(attn.reshape(x.shape[0], -1)), w, "o_proj", bits))
+        h, x = add_rms_norm(o, x, w["post_attn_norm"], cfg.rms_norm_eps)
+        return x + self.reduce(mlp(h, w, bits, self.ffn_width))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v `[rows, heads, head_dim]` of the heads this model computes: all of its config's, or, in a
@@ -350,12 +356,11 @@ class DecoderModel:
         full[:, qh.start * hd:qh.stop * hd] = attn
         return full
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, index: int,
-                   batch: ForwardBatch) -> torch.Tensor:
-        """Write the rows' K and V at their slots and attend."""
-        write_kv(k, v, kv_cache, index, batch.slot_mapping)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, index: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Attention of the rows' queries over their contexts, their own K and V already written at their slots."""
         parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, g.block_tables,
-                                        g.context_lens, self.scale) for g in batch.decodes]
+                                        g.context_lens, self.scale, g.max_context) for g in batch.decodes]
         for p in batch.prefills:
             rows = slice(p.row, p.row + p.length)
             parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,

@@ -15,12 +15,14 @@ what bounds decode) and is unpacked in registers:
   output.  Their low and high nibbles are the even and odd inputs, so the
   activation chunk is split the same way and the two halves are multiplied
   separately; no interleaving shuffle is needed.
-* ``BLOCK_K`` is the largest power of two dividing the group size (at most 64),
+* ``BLOCK_K`` is a power of two dividing the group size (64 unless tuned),
   so a chunk never straddles a group and needs one scale and one zero per output.
 * Decode (few rows) is a split-K GEMV with broadcast-multiply-reduce, as in
-  ``kernels/w8a16.py``; prefill is a tiled GEMM on ``tl.dot``.  A group size
-  whose power-of-two part is below 32 would give ``tl.dot`` an operand narrower
-  than 16, so such (unusual) weights run the GEMV kernel for prefill too.
+  ``kernels/w8a16.py``; prefill is a tiled GEMM on ``tl.dot``, which may split
+  K too.  A group size whose power-of-two part is below 32 would give ``tl.dot``
+  an operand narrower than 16, so such (unusual) weights run the GEMV kernel for
+  prefill too.  Tiles, split and path are timed on the GPU itself, as for W8A16
+  (``kernels/tuning.py``); a chunk may span 64, 128 or 256 inputs of one group.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.w8a16 import DECODE_MAX_ROWS, _gemv_block_n, _split_k
+from kernels.tuning import choose, rows_bucket
+from kernels.w8a16 import _split_k, launch_candidates, partials
 
 try:
     import triton
@@ -64,6 +67,12 @@ def w4a16_linear_ref(
 def _block_k(group_size: int) -> int:
     # Largest power of two dividing the group: chunks then tile groups exactly.
     return min(64, group_size & -group_size)
+
+
+def block_ks(group_size: int) -> tuple[int, ...]:
+    """Chunk widths that never straddle a group, the default first: powers of two dividing the group."""
+    widest = group_size & -group_size
+    return (_block_k(group_size), *(bk for bk in (128, 256) if bk <= widest))
 
 
 if _HAS_TRITON:
@@ -162,6 +171,7 @@ if _HAS_TRITON:
         N,
         K,
         group_size,
+        chunks_per_split,
         stride_xm,
         stride_xk,
         stride_pn,
@@ -170,6 +180,7 @@ if _HAS_TRITON:
         stride_sg,
         stride_zn,
         stride_zg,
+        stride_os,
         stride_om,
         stride_on,
         HAS_BIAS: tl.constexpr,
@@ -179,6 +190,7 @@ if _HAS_TRITON:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -186,7 +198,9 @@ if _HAS_TRITON:
         n_mask = rn < N
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_begin = pid_k * chunks_per_split * BLOCK_K
+        k_end = tl.minimum(k_begin + chunks_per_split * BLOCK_K, K)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             x = tl.load(
                 x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk,
                 mask=m_mask[:, None],
@@ -201,9 +215,10 @@ if _HAS_TRITON:
             acc = tl.dot(x_odd, hi.to(x.dtype), acc, input_precision="ieee")
 
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         tl.store(
-            out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+            out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
             acc.to(out_ptr.dtype.element_ty),
             mask=m_mask[:, None] & n_mask[None, :],
         )
@@ -216,8 +231,10 @@ def w4a16_linear_triton(
     zero: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`w4a16_linear_ref`."""
+    """Triton version of :func:`w4a16_linear_ref`. ``config``: one of ``launch_candidates`` (kernels/w8a16.py)
+    for :func:`block_ks`; None takes the tuned one (kernels/tuning.py)."""
     n_out, half = packed.shape
     k = half * 2
     if x.shape[-1] != k:
@@ -230,63 +247,40 @@ def w4a16_linear_triton(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n_out)
-    bias_arg = bias if bias is not None else scale  # bound but never read without HAS_BIAS
-    block_k = _block_k(group_size)
-    common = (*packed.stride(), *scale.stride(), *zero.stride())
 
-    if m <= DECODE_MAX_ROWS or block_k < 32:
-        block_m = min(triton.next_power_of_2(m), DECODE_MAX_ROWS)
-        block_n = _gemv_block_n(block_m)
-        m_blocks, n_blocks = triton.cdiv(m, block_m), triton.cdiv(n_out, block_n)
-        splits, per_split = _split_k(x.device, m_blocks * n_blocks, k // block_k)
-        dest = out if splits == 1 else torch.empty(splits, m, n_out, dtype=torch.float32, device=x.device)
-        dest3 = dest.view(splits, m, n_out)
-        _w4a16_gemv_kernel[(m_blocks, n_blocks, splits)](
-            x2,
-            packed,
-            scale,
-            zero,
-            bias_arg,
-            dest3,
-            m,
-            n_out,
-            k,
-            group_size,
-            per_split,
-            *x2.stride(),
-            *common,
-            *dest3.stride(),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-        )
-        if splits > 1:
-            out.copy_(dest.sum(dim=0))
-        return out.view(*lead, n_out)
+    def launch(cfg: tuple) -> None:
+        _w4a16_launch(cfg, x2, packed, scale, zero, group_size, bias, out)
 
-    block_m = 64 if m >= 64 else 32
-    block_n = 64
-    _w4a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n_out, block_n))](
-        x2,
-        packed,
-        scale,
-        zero,
-        bias_arg,
-        out,
-        m,
-        n_out,
-        k,
-        group_size,
-        *x2.stride(),
-        *common,
-        *out.stride(),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
+    if config is None:
+        rows, widths = rows_bucket(m), block_ks(group_size)
+        # tl.dot wants operands at least 16 wide: chunks narrower than 32 inputs (16 bytes) take the GEMV only
+        candidates = launch_candidates(rows, widths, gemm=widths[0] >= 32)
+        config = choose("w4a16", (n_out, k, group_size, rows, bias is not None), candidates, launch, x.device)
+    launch(config)
     return out.view(*lead, n_out)
+
+
+def _w4a16_launch(config: tuple, x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    (m, k), n_out = x2.shape, packed.shape[0]
+    bias_arg = bias if bias is not None else scale  # bound but never read without HAS_BIAS
+    if config[0] == "gemv":
+        _, block_n, block_k, per_sm = config
+        block_m = min(triton.next_power_of_2(m), 16)
+        kernel = _w4a16_gemv_kernel
+    else:
+        _, block_m, block_n, block_k, per_sm = config
+        kernel = _w4a16_gemm_kernel
+    m_blocks, n_blocks = triton.cdiv(m, block_m), triton.cdiv(n_out, block_n)
+    splits, per_split = _split_k(x2.device, m_blocks * n_blocks, k // block_k, per_sm)
+    dest = partials(out, splits)
+    kernel[(m_blocks, n_blocks, splits)](
+        x2, packed, scale, zero, bias_arg, dest, m, n_out, k, group_size, per_split, *x2.stride(), *packed.stride(),
+        *scale.stride(), *zero.stride(), *dest.stride(),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    if splits > 1:
+        out.copy_(dest.sum(dim=0))
 
 
 def w4a16_linear(

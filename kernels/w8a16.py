@@ -18,7 +18,9 @@ registers, which is the point of W8A16: decode is bound by weight bandwidth.
   result deterministic, unlike atomics.
 * Prefill (many rows): a tiled GEMM that converts each weight tile and feeds
   ``tl.dot``; the weight is read once per row block instead of being
-  dequantised to a full-precision copy first.
+  dequantised to a full-precision copy first. It may split K too.
+* Which tiles, split and path a shape gets is timed on the GPU itself, once
+  per (shape, power of two of the rows): ``kernels/tuning.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from kernels.tuning import choose, rows_bucket
 
 try:
     import triton
@@ -66,10 +70,13 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _split_k(device: torch.device, other_programs: int, chunks: int) -> tuple[int, int]:
-    """(splits, chunks per split) so that ``other_programs * splits`` roughly fills the device."""
+def _split_k(device: torch.device, other_programs: int, chunks: int, per_sm: int = 2) -> tuple[int, int]:
+    """(splits, chunks per split) so that ``other_programs * splits`` roughly fills the device with ``per_sm``
+    programs per multiprocessor (0: no split)."""
+    if per_sm == 0:
+        return 1, chunks
     if device.type == "cuda":
-        target = 2 * _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        target = per_sm * _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         # Only the interpreter runs Triton off CUDA; a small target keeps it fast and still splits K.
         target = 8
@@ -82,6 +89,42 @@ def _split_k(device: torch.device, other_programs: int, chunks: int) -> tuple[in
 def _gemv_block_n(block_m: int) -> int:
     # The broadcast product is BLOCK_M x BLOCK_K x BLOCK_N in registers; narrow the output slice as rows grow.
     return 32 if block_m <= 2 else 16
+
+
+# What the tuner (kernels/tuning.py) times beside the defaults. A GEMV's broadcast product holds
+# BLOCK_M x BLOCK_N x BLOCK_K floats, so its tiles shrink as rows grow; a K split aims at SPLITS programs per
+# multiprocessor (0: none), which decode's few output tiles need and a GEMM's many may not.
+GEMV_TILES = ((32, 64), (32, 128), (64, 128), (128, 64), (64, 256), (16, 256), (16, 64))  # (BLOCK_N, BLOCK_K)
+GEMM_TILES = ((16, 64, 64), (16, 64, 128), (32, 64, 64), (32, 128, 64), (64, 64, 64), (64, 128, 64),
+              (128, 128, 64), (64, 64, 128))  # (BLOCK_M, BLOCK_N, BLOCK_K)
+SPLITS = (2, 1, 4, 0)
+GEMV_PRODUCT = 16384
+
+
+def launch_candidates(m: int, block_ks: tuple[int, ...], gemm: bool = True) -> list[tuple]:
+    """Launch configurations worth timing for up to ``m`` rows (a power of two), the untuned default first:
+    ``("gemv", BLOCK_N, BLOCK_K, split)`` up to DECODE_MAX_ROWS rows, ``("gemm", BLOCK_M, BLOCK_N, BLOCK_K,
+    split)`` from 16 rows on (when ``gemm``). ``block_ks``: the chunk widths the weight allows, its default
+    first."""
+    block_m = min(triton.next_power_of_2(m), DECODE_MAX_ROWS)
+    out = []
+    if m <= DECODE_MAX_ROWS or not gemm:
+        out.append(("gemv", _gemv_block_n(block_m), block_ks[0], 2))
+        out += [("gemv", bn, bk, split) for bn, bk in GEMV_TILES for split in SPLITS
+                if bk in block_ks and block_m * bn * bk <= GEMV_PRODUCT]
+    if m >= DECODE_MAX_ROWS and gemm:
+        gemm_ks = [bk for bk in block_ks if bk >= 32]
+        out.append(("gemm", 64 if m >= 64 else 32, 64, gemm_ks[0], 0))
+        out += [("gemm", bm, bn, bk, split) for bm, bn, bk in GEMM_TILES for split in SPLITS
+                if bk in gemm_ks and bm <= triton.next_power_of_2(m)]
+    return list(dict.fromkeys(out))
+
+
+def partials(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where ``splits`` K splits write: ``out`` itself for one, float32 partials to fold for several."""
+    if splits == 1:
+        return out.view(1, *out.shape)
+    return torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
 
 
 if _HAS_TRITON:
@@ -159,10 +202,12 @@ if _HAS_TRITON:
         M,
         N,
         K,
+        chunks_per_split,
         stride_xm,
         stride_xk,
         stride_qn,
         stride_qk,
+        stride_os,
         stride_om,
         stride_on,
         HAS_BIAS: tl.constexpr,
@@ -172,6 +217,7 @@ if _HAS_TRITON:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -179,7 +225,9 @@ if _HAS_TRITON:
         n_mask = rn < N
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_begin = pid_k * chunks_per_split * BLOCK_K
+        k_end = tl.minimum(k_begin + chunks_per_split * BLOCK_K, K)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             x = tl.load(
@@ -199,12 +247,16 @@ if _HAS_TRITON:
         scale = tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * scale[None, :]
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         tl.store(
-            out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on,
+            out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
             acc.to(out_ptr.dtype.element_ty),
             mask=m_mask[:, None] & n_mask[None, :],
         )
+
+
+W8_BLOCK_KS = (64, 128, 256)
 
 
 def w8a16_linear_triton(
@@ -212,8 +264,10 @@ def w8a16_linear_triton(
     qweight: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`w8a16_linear_ref`."""
+    """Triton version of :func:`w8a16_linear_ref`. ``config``: one of :func:`launch_candidates`; None takes
+    the tuned one (kernels/tuning.py)."""
     n_out, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"activation width {x.shape[-1]} does not match the weight's {k}")
@@ -223,59 +277,40 @@ def w8a16_linear_triton(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n_out)
+
+    def launch(cfg: tuple) -> None:
+        _w8a16_launch(cfg, x2, qweight, scale, bias, out)
+
+    if config is None:
+        rows = rows_bucket(m)
+        config = choose("w8a16", (n_out, k, rows, bias is not None), launch_candidates(rows, W8_BLOCK_KS), launch,
+                        x.device)
+    launch(config)
+    return out.view(*lead, n_out)
+
+
+def _w8a16_launch(config: tuple, x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    (m, k), n_out = x2.shape, qweight.shape[0]
     # The kernels never read the bias pointer without HAS_BIAS, but they need a tensor to bind.
     bias_arg = bias if bias is not None else scale
-
-    if m <= DECODE_MAX_ROWS:
-        block_m = triton.next_power_of_2(m)
-        block_n, block_k = _gemv_block_n(block_m), 64
-        n_blocks = triton.cdiv(n_out, block_n)
-        splits, per_split = _split_k(x.device, n_blocks, triton.cdiv(k, block_k))
-        # One split writes the result directly; several write float32 partials that are folded below.
-        dest = out if splits == 1 else torch.empty(splits, m, n_out, dtype=torch.float32, device=x.device)
-        dest3 = dest.view(splits, m, n_out)
-        _w8a16_gemv_kernel[(1, n_blocks, splits)](
-            x2,
-            qweight,
-            scale,
-            bias_arg,
-            dest3,
-            m,
-            n_out,
-            k,
-            per_split,
-            *x2.stride(),
-            *qweight.stride(),
-            *dest3.stride(),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-        )
-        if splits > 1:
-            out.copy_(dest.sum(dim=0))
-        return out.view(*lead, n_out)
-
-    block_m = 64 if m >= 64 else 32
-    block_n, block_k = 64, 64
-    _w8a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n_out, block_n))](
-        x2,
-        qweight,
-        scale,
-        bias_arg,
-        out,
-        m,
-        n_out,
-        k,
-        *x2.stride(),
-        *qweight.stride(),
-        *out.stride(),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+    if config[0] == "gemv":
+        _, block_n, block_k, per_sm = config
+        block_m, m_blocks = triton.next_power_of_2(m), 1
+        kernel = _w8a16_gemv_kernel
+    else:
+        _, block_m, block_n, block_k, per_sm = config
+        m_blocks = triton.cdiv(m, block_m)
+        kernel = _w8a16_gemm_kernel
+    n_blocks = triton.cdiv(n_out, block_n)
+    splits, per_split = _split_k(x2.device, m_blocks * n_blocks, triton.cdiv(k, block_k), per_sm)
+    dest = partials(out, splits)
+    kernel[(m_blocks, n_blocks, splits)](
+        x2, qweight, scale, bias_arg, dest, m, n_out, k, per_split, *x2.stride(), *qweight.stride(), *dest.stride(),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
-    return out.view(*lead, n_out)
+    if splits > 1:
+        out.copy_(dest.sum(dim=0))
 
 
 def w8a16_linear(

@@ -153,3 +153,30 @@ def test_w4a16_triton_group_too_narrow_for_tl_dot_takes_the_gemv_path():
         w4a16_linear_ref(x, q.packed, q.scale, q.zero, 48, bias),
         atol=ATOL, rtol=RTOL,
     )
+
+
+# --- every configuration the tuner may pick ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
+def test_every_launch_configuration_the_tuner_may_pick_computes_the_same_product(rows):
+    # On a GPU the tuner may pick any candidate (kernels/tuning.py); here each runs once, on a shape that no tile
+    # divides, so masks and K splits with empty tails are all exercised.
+    from kernels.tuning import rows_bucket
+    from kernels.w4a16 import block_ks
+    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+
+    x, w, bias = make_case(72, 512, rows=rows, seed=case_seed("tuned", rows))
+    q8, q4 = quantize_int8(w), quantize_int4(w, 128)
+    want8 = w8a16_linear_ref(x, q8.qweight, q8.scale, bias)
+    want4 = w4a16_linear_ref(x, q4.packed, q4.scale, q4.zero, 128, bias)
+    configs8 = launch_candidates(rows_bucket(rows), W8_BLOCK_KS)
+    configs4 = launch_candidates(rows_bucket(rows), block_ks(128))
+    assert len(configs8) > 10 and {c[0] for c in configs8} == ({"gemv"} if rows < 16 else {"gemm"} if rows > 16
+                                                                else {"gemv", "gemm"})
+    for config in configs8:
+        got = w8a16_linear_triton(x, q8.qweight, q8.scale, bias, config=config)
+        torch.testing.assert_close(got, want8, atol=ATOL, rtol=RTOL, msg=f"W8A16 {config}")
+    for config in configs4:
+        got = w4a16_linear_triton(x, q4.packed, q4.scale, q4.zero, 128, bias, config=config)
+        torch.testing.assert_close(got, want4, atol=ATOL, rtol=RTOL, msg=f"W4A16 {config}")

@@ -39,6 +39,38 @@ bench: install
 bench-engine: install-test
 	$(VENV)/bin/morphling bench-engine
 
+# On an offline GPU machine (../shared/gpu.md): it has torch, triton and transformers but neither the engine's
+# pure-Python dependencies nor ../shared. `make gpu-bundle` here downloads those wheels into .whl/ and copies the
+# data the GPU tests read into .data/; send both along (the device tool's `carry`), then run there, with the
+# machine's own python3, `make test-gpu` (tests/gpu: the engine vs transformers, compiled kernels, CUDA graphs)
+# and `make bench-gpu` (Llama-3.2-1B and Llama-3-8B shapes, random weights, bf16: decode vs transformers and the
+# roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes).
+GPU_SITE ?= /tmp/morphling-site
+GPU_OUT ?= bench-out/gpu
+GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) MORPHLING_DATA=$(CURDIR)/.data python3
+GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf
+.PHONY: gpu-bundle gpu-site test-gpu bench-gpu
+gpu-bundle: install
+	rm -rf .whl .data && mkdir -p .whl .data/corpora
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PIP) freeze | grep -i -E '^($(shell echo $(GPU_WHEELS) | tr ' ' '|'))==')
+	$(PIP) wheel -q --no-deps -w .whl gemlite==0.6.0.post2  # the benchmark's third low-bit candidate (pure Python)
+	cp $(or $(MORPHLING_DATA),../shared/data)/corpora/wikitext-2-test.txt .data/corpora/
+
+gpu-site:
+	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile \
+		--no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+
+test-gpu: gpu-site
+	MORPHLING_GPU_TESTS=1 $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+bench-gpu: gpu-site
+	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \
+		--shape llama-3.2-1b --sections decode,swap --out $(GPU_OUT)/llama-3.2-1b
+	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \
+		--shape llama-3-8b --out $(GPU_OUT)/llama-3-8b
+
 # The speed-up model's coefficients (CoCoServe Eqs. 1-4) measured on this machine (~35 s on 2 cores).
 .PHONY: profile-speedup
 profile-speedup: install

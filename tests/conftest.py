@@ -1,5 +1,8 @@
-# Triton picks interpreter vs compiler when a kernel is decorated, so the switch must be set before any test module imports triton or the kernels.
-import os; os.environ["TRITON_INTERPRET"] = "1"
+# Triton picks interpreter vs compiler when a kernel is decorated, so the switch must be set before any test module
+# imports triton or the kernels. `make test-gpu` (MORPHLING_GPU_TESTS=1) compiles them for the GPU instead.
+import os
+if os.environ.get("MORPHLING_GPU_TESTS") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _interpreter_loop_bounds() -> None:

@@ -5,6 +5,9 @@ Both generate exactly `--new-tokens` greedy tokens for each of the same ShareGPT
 EOS ignored), on the same weights, dtype and machine, one batch size after another. transformers runs
 each batch as one padded `generate` call, the usual way to batch it; we run it as one continuous batch.
 Prints a table, writes `engine_bench.json` and a bar chart into `--out`.
+
+With `--device` or `--shape`, it measures a named shape (random weights) or checkpoint directory on a device
+instead: decode step time against transformers and the memory roofline, swaps, kernels (bench_gpu.py).
 """
 
 import argparse
@@ -17,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-from services.executor.engine.engine import LLMEngine
+from services.executor.engine.engine import DTYPES, LLMEngine
 from services.executor.engine.model.loader import resolve_model_path
+from services.executor.tools import bench_gpu
+from services.executor.tools.shapes import SHAPES
 from shared.config import EngineConfig, data_dir, parse_size
 from shared.sampling import SamplingOptions
 
@@ -91,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
-    ap.add_argument("--batches", default="1,8,64", help="comma-separated prompt counts")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", help="comma-separated prompt counts (default 1,8,64; with --shape 1,16,64)")
+    ap.add_argument("--new-tokens", type=int, help="(default 64; with --shape 128)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
-    ap.add_argument("--memory-budget", default="2GiB")
+    ap.add_argument("--memory-budget", help="the arena's bytes (default 2GiB; with --shape: sized for the run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     fabric = ap.add_argument_group("one instance across executors", "compare it with one executor alone instead "
@@ -103,7 +108,21 @@ def main(argv: list[str] | None = None) -> dict:
     shape = fabric.add_mutually_exclusive_group()
     shape.add_argument("--tp", type=int, help="tensor-parallel degree (default: --executors)")
     shape.add_argument("--plan", type=Path, help="an instance plan file over exec0..exec<N-1> (exec0 leads)")
+    device = ap.add_argument_group("a named shape on a device", "random weights of a model's shape, or a checkpoint "
+                                   "directory, on CPU or CUDA (services/executor/tools/bench_gpu.py)")
+    device.add_argument("--device", help="cpu or cuda (default cpu)")
+    device.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    device.add_argument("--shape", help=f"{', '.join(SHAPES)} (written once into --cache-dir) or a Hugging Face "
+                                        f"checkpoint directory")
+    bench_gpu.add_arguments(device)
     args = ap.parse_args(argv)
+    if args.device is not None or args.shape is not None:
+        if args.shape is None:
+            ap.error(f"--device needs --shape ({', '.join(SHAPES)} or a checkpoint directory)")
+        return bench_gpu.run(args)
+    args.batches, args.new_tokens = args.batches or "1,8,64", args.new_tokens or 64
+    args.memory_budget = args.memory_budget or "2GiB"
     if args.executors > 1:
         from services.executor.tools.bench_fabric import run
 

@@ -9,10 +9,11 @@ streams the pages with an online softmax.
 
 A batch of few sequences gives that grid too few programs to keep a GPU's memory
 busy: at batch 1 an 8-kv-head model runs 8 programs for the whole context. So
-when the context spans several partitions and the grid is small, the context is
-split as well (flash-decoding): one program per (sequence, kv head, partition of
-PARTITION_TOKENS) writes its partial softmax state (running max, sum and
-unnormalised output), and a second kernel merges a sequence's partitions.
+when the grid is small and the context long, the context is split as well
+(flash-decoding): one program per (sequence, kv head, partition) writes its
+partial softmax state (running max, sum and unnormalised output), and a second
+kernel merges a sequence's partitions. Partitions are sized so that the grid
+holds a few programs per multiprocessor (`partition_tokens`).
 
 Contract with the engine: every page a block table names, padding entries included,
 holds finite values (pages are zeroed when allocated, and padding entries repeat one
@@ -291,16 +292,26 @@ if _HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Tokens of context one partition program streams. Untuned: a GPU run chooses it (issue 15).
-PARTITION_TOKENS = 512
+# A split aims at this many programs per multiprocessor: decode attention is bound by memory, and a GPU keeps
+# its memory busy only with many loads in flight (issue 15 measured 11-20 GB/s with 8 programs streaming a
+# whole 4096-token context). Partitions are a power of two of blocks, and at least MIN_PARTITION_BLOCKS, so
+# that each program streams enough to be worth its share of the merge, and few kernel variants compile.
+PROGRAMS_PER_UNIT = 4
+MIN_PARTITION_BLOCKS = 4
 
 
-def split_context(batch: int, num_kv_heads: int, max_ctx: int, partition_tokens: int, device: torch.device) -> bool:
-    """Whether the (sequence, kv head) grid is too small for the device and the context long enough to split."""
-    if max_ctx <= partition_tokens:
-        return False
+def partition_tokens(batch: int, num_kv_heads: int, max_ctx: int, block_size: int,
+                     device: torch.device) -> int | None:
+    """Tokens of context one program streams when the context is split (flash-decoding), or None when the
+    (sequence, kv head) grid fills the device by itself or the context is too short to split."""
     units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return batch * num_kv_heads < 2 * units
+    grid = batch * num_kv_heads
+    if grid >= 2 * units:
+        return None
+    blocks = -(-max_ctx // block_size)
+    parts = -(-PROGRAMS_PER_UNIT * units // grid)
+    per_part = max(MIN_PARTITION_BLOCKS, 1 << (-(-blocks // parts) - 1).bit_length())
+    return per_part * block_size if per_part < blocks else None
 
 
 def paged_decode_attention_triton(
@@ -311,12 +322,12 @@ def paged_decode_attention_triton(
     context_lens: torch.Tensor,
     scale: float,
     max_context: int | None = None,
-    partition_tokens: int | None = None,
+    partition: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_decode_attention_ref`. `max_context` bounds `context_lens` without
-    reading them (a CUDA graph cannot wait for the device); None reads them. `partition_tokens` splits the
-    context into partitions of that many tokens (a multiple of the block size) whatever the grid; None
-    decides by `split_context`."""
+    reading them (a CUDA graph cannot wait for the device); None reads them. `partition` splits the context
+    into partitions of that many tokens (a multiple of the block size) whatever the grid; None decides by
+    :func:`partition_tokens`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -324,10 +335,10 @@ def paged_decode_attention_triton(
     # Selecting the layer on the host folds its offset into the base pointer.
     layer_cache = kv_cache[:, :, layer]  # [P, kvh, 2, bs, hd]
     max_ctx = int(context_lens.max()) if max_context is None else max_context
-    if partition_tokens is None and split_context(batch, num_kv_heads, max_ctx, PARTITION_TOKENS, q.device):
-        partition_tokens = PARTITION_TOKENS
-    if partition_tokens is not None:
-        return _split_decode(q, layer_cache, block_tables, context_lens, scale, out, partition_tokens, max_ctx)
+    if partition is None:
+        partition = partition_tokens(batch, num_kv_heads, max_ctx, block_size, q.device)
+    if partition is not None:
+        return _split_decode(q, layer_cache, block_tables, context_lens, scale, out, partition, max_ctx)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q,
         layer_cache,
@@ -350,14 +361,14 @@ def paged_decode_attention_triton(
 
 
 def _split_decode(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, partition_tokens: int,
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor, partition: int,
                   max_ctx: int) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = layer_cache.shape[1], layer_cache.shape[3]
-    if partition_tokens % block_size:
-        raise ValueError(f"a partition of {partition_tokens} tokens is not a whole number of {block_size}-token blocks")
+    if partition % block_size:
+        raise ValueError(f"a partition of {partition} tokens is not a whole number of {block_size}-token blocks")
     group = num_heads // num_kv_heads
-    parts = triton.cdiv(max_ctx, partition_tokens)  # partitions past a sequence's context return at once
+    parts = triton.cdiv(max_ctx, partition)  # partitions past a sequence's context return at once
     acc = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
     state = torch.empty(batch, num_heads, parts, 2, dtype=torch.float32, device=q.device)  # max, sum
     common = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim))
@@ -365,10 +376,10 @@ def _split_decode(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torc
         q, layer_cache, block_tables, context_lens, acc, state, float(scale), head_dim,
         *q.stride(), *layer_cache.stride(), *block_tables.stride(), *acc.stride(), *state.stride(),
         BLOCK_SIZE=block_size, BLOCK_T=triton.next_power_of_2(block_size),
-        PART_BLOCKS=partition_tokens // block_size, **common)
+        PART_BLOCKS=partition // block_size, **common)
     _paged_decode_merge_kernel[(batch, num_kv_heads)](
         context_lens, acc, state, out, head_dim, *acc.stride(), *state.stride(), *out.stride(),
-        PART_TOKENS=partition_tokens, **common)
+        PART_TOKENS=partition, **common)
     return out
 
 

@@ -45,11 +45,11 @@ def test_paged_decode_attention(dtype, contexts, split):
     ctx = torch.tensor(contexts, dtype=torch.int32, device=CUDA)
     q = torch.randn(len(contexts), heads, head_dim, generator=gen, device=CUDA).to(dtype)
     expected = paged_decode_attention_ref(q.float(), cache.float(), LAYER, tables, ctx, 0.088)
-    out = paged_decode_attention_triton(q, cache, LAYER, tables, ctx, 0.088, partition_tokens=split)
+    out = paged_decode_attention_triton(q, cache, LAYER, tables, ctx, 0.088, partition=split)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     bounded = paged_decode_attention_triton(q, cache, LAYER, tables, ctx, 0.088, max_context=tables.shape[1] * block,
-                                            partition_tokens=split)
+                                            partition=split)
     torch.testing.assert_close(bounded, out, atol=tol, rtol=tol)
 
 
@@ -133,3 +133,24 @@ def test_fused_kernels_round_as_torch_does(dtype):
     got = rope_write_kv_triton(q, k, v, cos, sin, cache, LAYER, slots)
     want = rope_write_kv_ref(q, k, v, cos, sin, want_cache, LAYER, slots)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_every_configuration_the_tuner_may_pick_in_bfloat16(rows):
+    # The interpreter cannot check tl.dot in bf16 (tests/unit runs the candidates in fp32 only), and any
+    # candidate may win the tuning on some GPU.
+    from kernels.tuning import rows_bucket
+    from kernels.w4a16 import block_ks
+    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    w = torch.randn(1000, 2048, generator=gen, device=CUDA) * 0.02
+    x = torch.randn(rows, 2048, generator=gen, device=CUDA).to(torch.bfloat16)
+    q8, q4 = quantize_int8(w), quantize_int4(w, 128)
+    want8 = w8a16_linear_ref(x.float(), q8.qweight, q8.scale.float())
+    want4 = w4a16_linear_ref(x.float(), q4.packed, q4.scale.float(), q4.zero.float(), 128)
+    for config in launch_candidates(rows_bucket(rows), W8_BLOCK_KS):
+        assert_matches(w8a16_linear_triton(x, q8.qweight, q8.scale.bfloat16(), config=config), want8, torch.bfloat16)
+    for config in launch_candidates(rows_bucket(rows), block_ks(128)):
+        got = w4a16_linear_triton(x, q4.packed, q4.scale.bfloat16(), q4.zero.bfloat16(), 128, config=config)
+        assert_matches(got, want4, torch.bfloat16)

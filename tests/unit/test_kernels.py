@@ -283,25 +283,27 @@ def test_decode_split_over_the_context_matches_ref(heads, block_size, partition_
     q, kv_cache, tables, ctx, scale = decode_case(heads, 32, block_size, [1, block_size + 1, 97, 300], seed=7)
     expected = paged_decode_attention_ref(q, kv_cache, LAYER, tables, ctx, scale)
     out = paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale,
-                                        partition_tokens=partition_blocks * block_size)
+                                        partition=partition_blocks * block_size)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
 def test_the_context_is_split_only_when_the_grid_is_small_and_the_context_long():
-    from kernels.paged_attention import PARTITION_TOKENS, split_context
+    from kernels.paged_attention import MIN_PARTITION_BLOCKS, partition_tokens
 
-    cpu = torch.device("cpu")
-    assert not split_context(1, 8, PARTITION_TOKENS, PARTITION_TOKENS, cpu)
-    assert split_context(1, 1, 4 * PARTITION_TOKENS, PARTITION_TOKENS, cpu)
-    assert not split_context(64, 8, 4 * PARTITION_TOKENS, PARTITION_TOKENS, cpu)
+    cpu = torch.device("cpu")  # one unit: a grid of 2 (sequence, kv head) programs fills it
+    assert partition_tokens(1, 2, 4096, 16, cpu) is None
+    assert partition_tokens(1, 1, 4096, 16, cpu) == 1024  # 4 programs of 64 blocks each
+    assert partition_tokens(1, 1, 4000, 16, cpu) == 1024  # 250 blocks: 63 a program, rounded to a power of two
+    assert partition_tokens(1, 1, 48, 16, cpu) is None  # 3 blocks: fewer than one partition's least
+    assert partition_tokens(1, 1, 200, 16, cpu) == MIN_PARTITION_BLOCKS * 16
     with pytest.raises(ValueError, match="whole number"):
         q, kv_cache, tables, ctx, scale = decode_case((4, 2), 32, 16, [40], seed=8)
-        paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, partition_tokens=20)
+        paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, partition=20)
 
 
-@pytest.mark.parametrize("partition_tokens", [None, 16])
-def test_decode_with_a_context_bound_reads_no_lengths_and_ignores_padding_rows(partition_tokens):
+@pytest.mark.parametrize("partition", [None, 16])
+def test_decode_with_a_context_bound_reads_no_lengths_and_ignores_padding_rows(partition):
     # A CUDA graph passes a bound on the contexts (max_model_len) instead of the lengths' maximum, and pads its
     # batch with rows of no context: the real rows come out as without the bound.
     q, kv_cache, tables, ctx, scale = decode_case((6, 2), 32, 16, [1, 17, 97], seed=10)
@@ -310,5 +312,5 @@ def test_decode_with_a_context_bound_reads_no_lengths_and_ignores_padding_rows(p
     padded_tables = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=tables.dtype)])
     padded_ctx = torch.cat([ctx, torch.zeros(2, dtype=ctx.dtype)])
     out = paged_decode_attention_triton(padded_q, kv_cache, LAYER, padded_tables, padded_ctx, scale,
-                                        max_context=tables.shape[1] * 16, partition_tokens=partition_tokens)
+                                        max_context=tables.shape[1] * 16, partition=partition)
     torch.testing.assert_close(out[:3], expected, atol=ATOL, rtol=RTOL)

@@ -149,7 +149,7 @@ def attention_kernels(device: torch.device, dtype: torch.dtype, copy_gbs: float,
 def _attention_rows(batch: int, gen: torch.Generator, host_gen: torch.Generator, device: torch.device,
                     dtype: torch.dtype, copy_gbs: float) -> list[dict]:
     """Paged decode attention over a synthetic arena and SDPA over the same K/V made contiguous."""
-    from kernels.paged_attention import PARTITION_TOKENS, paged_decode_attention, split_context
+    from kernels.paged_attention import paged_decode_attention, partition_tokens
 
     a = ATTENTION
     ctx, bs, kvh, hd, layer = a["context"], a["block_size"], a["kv_heads"], a["head_dim"], a["layer"]
@@ -168,7 +168,7 @@ def _attention_rows(batch: int, gen: torch.Generator, host_gen: torch.Generator,
     reference = paged_decode_attention(q, kv_cache, layer, tables, lens, scale).float()
     impls = {
         "paged_decode_attention": (lambda: paged_decode_attention(q, kv_cache, layer, tables, lens, scale),
-                                   dict(context_split=split_context(batch, kvh, ctx, PARTITION_TOKENS, device))),
+                                   dict(partition_tokens=partition_tokens(batch, kvh, ctx, bs, device))),
         # enable_gqa came with torch 2.5; without it SDPA would need K/V repeated per query head
         "sdpa_contiguous": (lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale,
                                                                    enable_gqa=True).squeeze(2), {}),

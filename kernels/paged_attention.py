@@ -12,8 +12,7 @@ busy: at batch 1 an 8-kv-head model runs 8 programs for the whole context. So
 when the grid is small and the context long, the context is split as well
 (flash-decoding): one program per (sequence, kv head, partition) writes its
 partial softmax state (running max, sum and unnormalised output), and a second
-kernel merges a sequence's partitions. Partitions are sized so that the grid
-holds a few programs per multiprocessor (`partition_tokens`).
+kernel merges a sequence's partitions (`partition_tokens`).
 
 Contract with the engine: every page a block table names, padding entries included,
 holds finite values (pages are zeroed when allocated, and padding entries repeat one
@@ -292,26 +291,21 @@ if _HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# A split aims at this many programs per multiprocessor: decode attention is bound by memory, and a GPU keeps
-# its memory busy only with many loads in flight (issue 15 measured 11-20 GB/s with 8 programs streaming a
-# whole 4096-token context). Partitions are a power of two of blocks, and at least MIN_PARTITION_BLOCKS, so
-# that each program streams enough to be worth its share of the merge, and few kernel variants compile.
-PROGRAMS_PER_UNIT = 4
-MIN_PARTITION_BLOCKS = 4
+# Tokens of context one program of a split streams, in blocks. Small, so that a context of a few thousand tokens
+# gives a small grid a few programs per multiprocessor (decode attention is bound by memory, and a GPU keeps its
+# memory busy only with many loads in flight: issue 15 measured 11-20 GB/s with 8 programs streaming a whole
+# 4096-token context); and the same whatever the context, so that a sequence is cut at the same places whether
+# its step runs eagerly or replays a graph, and both give the same bits.
+PARTITION_BLOCKS = 4
 
 
 def partition_tokens(batch: int, num_kv_heads: int, max_ctx: int, block_size: int,
                      device: torch.device) -> int | None:
     """Tokens of context one program streams when the context is split (flash-decoding), or None when the
-    (sequence, kv head) grid fills the device by itself or the context is too short to split."""
+    (sequence, kv head) grid fills the device by itself or no context is longer than one partition."""
     units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    grid = batch * num_kv_heads
-    if grid >= 2 * units:
-        return None
-    blocks = -(-max_ctx // block_size)
-    parts = -(-PROGRAMS_PER_UNIT * units // grid)
-    per_part = max(MIN_PARTITION_BLOCKS, 1 << (-(-blocks // parts) - 1).bit_length())
-    return per_part * block_size if per_part < blocks else None
+    partition = PARTITION_BLOCKS * block_size
+    return partition if batch * num_kv_heads < 2 * units and max_ctx > partition else None
 
 
 def paged_decode_attention_triton(

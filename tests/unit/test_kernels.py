@@ -289,17 +289,25 @@ def test_decode_split_over_the_context_matches_ref(heads, block_size, partition_
 
 
 def test_the_context_is_split_only_when_the_grid_is_small_and_the_context_long():
-    from kernels.paged_attention import MIN_PARTITION_BLOCKS, partition_tokens
+    from kernels.paged_attention import PARTITION_BLOCKS, partition_tokens
 
     cpu = torch.device("cpu")  # one unit: a grid of 2 (sequence, kv head) programs fills it
+    size = PARTITION_BLOCKS * 16
     assert partition_tokens(1, 2, 4096, 16, cpu) is None
-    assert partition_tokens(1, 1, 4096, 16, cpu) == 1024  # 4 programs of 64 blocks each
-    assert partition_tokens(1, 1, 4000, 16, cpu) == 1024  # 250 blocks: 63 a program, rounded to a power of two
-    assert partition_tokens(1, 1, 48, 16, cpu) is None  # 3 blocks: fewer than one partition's least
-    assert partition_tokens(1, 1, 200, 16, cpu) == MIN_PARTITION_BLOCKS * 16
+    assert partition_tokens(1, 1, 4096, 16, cpu) == size
+    assert partition_tokens(1, 1, size, 16, cpu) is None  # one partition would hold it all
     with pytest.raises(ValueError, match="whole number"):
         q, kv_cache, tables, ctx, scale = decode_case((4, 2), 32, 16, [40], seed=8)
         paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, partition=20)
+
+
+def test_a_context_within_one_partition_gives_the_same_bits_split_or_not():
+    # Eager steps attend over their groups' own longest context and graphs over max_model_len; a sequence shorter
+    # than one partition is then attended whole in one and as the only partition of a split in the other.
+    q, kv_cache, tables, ctx, scale = decode_case((8, 2), 32, 16, [5, 16, 33, 64], seed=11)
+    whole = paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale)
+    split = paged_decode_attention_triton(q, kv_cache, LAYER, tables, ctx, scale, max_context=1024, partition=64)
+    assert torch.equal(whole, split)
 
 
 @pytest.mark.parametrize("partition", [None, 16])

@@ -38,6 +38,7 @@ def test_bench_on_cpu_reports_decode_roofline_kernels_and_swaps(tmp_path):
     for r in rows:
         assert r["ours_decode_steps"] == 6 - 1  # every token after the prefill's first
         assert r["ours_step_ms"] > 0 and r["transformers_step_ms"] > 0 and r["speedup"] > 0
+        assert r["ours_eager_step_ms"] is None and r["graph_speedup"] is None  # no CUDA graphs on a CPU
         assert r["ours_decode_tok_s"] > 0 and r["transformers_decode_tok_s"] > 0
         # Reading the bytes can be no faster than copying them; Python overhead makes a tiny model far slower.
         assert 0 < r["roofline_fraction"] <= 1.5 and 0 < r["transformers_roofline_fraction"] <= 1.5
@@ -98,3 +99,19 @@ def test_an_interrupted_write_is_redone_and_a_complete_one_kept(tmp_path):
     assert shapes.ensure_checkpoint(str(path), "float32") == path  # a directory is a shape too
     with pytest.raises(shapes.ShapeError, match="neither a named shape"):
         shapes.ensure_checkpoint(str(tmp_path / "nothing"), "float32")
+
+
+def test_the_eager_comparison_sets_the_graphs_aside_and_puts_them_back(tmp_path):
+    from services.executor.engine.graphs import DecodeGraphs
+    from services.executor.tools.bench_gpu import run_eager
+    from services.executor.tools.bench_timing import Clock
+
+    path = shapes.ensure_checkpoint("tiny", "float32", tmp_path, progress=False)
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128, memory_budget=8 << 20), progress=False)
+    assert run_eager(engine, [[5, 6, 7]], 4, Clock(torch.device("cpu")), "e") is None  # no graphs: nothing to compare
+    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.config.block_size, 128, 4, (8, 4), capture=False)
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda decodes: replayed.append(len(decodes)) or run(decodes)
+    eager = run_eager(engine, [[5, 6, 7], [8, 9]], 4, Clock(torch.device("cpu")), "e")
+    assert len(eager["steps"]) == 3 and not replayed and engine.runner.graphs is graphs

@@ -128,6 +128,19 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, clock
     return dict(steps=steps, kv_tokens=kv_tokens, total_s=total)
 
 
+def run_eager(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, clock: Clock, tag: str) -> dict | None:
+    """`run_ours` with the engine's decode graphs set aside, which is what they save; None without graphs."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return None
+    engine.runner.graphs = None
+    try:
+        run_ours(engine, prompts, 3, clock, f"warm-{tag}")
+        return run_ours(engine, prompts, new_tokens, clock, tag)
+    finally:
+        engine.runner.graphs = graphs
+
+
 def run_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: int, clock: Clock) -> dict:
     """One `generate` of the batch; a logits processor stamps the time each token's logits are ready."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -178,8 +191,10 @@ def decode_section(engine: LLMEngine, path: Path, args, clock: Clock, copy_gbs: 
             run_ours(engine, prompts, 3, clock, f"warm{batch}")
             run_transformers(reference, prompts, 3, pad_id, clock)
             ours = run_ours(engine, prompts, args.new_tokens, clock, f"b{batch}")
+            eager = run_eager(engine, prompts, args.new_tokens, clock, f"eager{batch}")
             theirs = run_transformers(reference, prompts, args.new_tokens, pad_id, clock)
             ours_s, theirs_s = statistics.fmean(ours["steps"]), statistics.fmean(theirs["steps"])
+            eager_s = statistics.fmean(eager["steps"]) if eager else None
             kv_tokens = statistics.fmean(ours["kv_tokens"])
             read = decode_read_bytes(engine, batch, kv_tokens)
             roofline_s = read / (copy_gbs * 1e9)
@@ -190,6 +205,7 @@ def decode_section(engine: LLMEngine, path: Path, args, clock: Clock, copy_gbs: 
                 ours_e2e_tok_s=generated / ours["total_s"], transformers_step_ms=theirs_s * 1e3,
                 transformers_step_p50_ms=statistics.median(theirs["steps"]) * 1e3,
                 transformers_decode_tok_s=batch / theirs_s, transformers_e2e_tok_s=generated / theirs["total_s"],
+                ours_eager_step_ms=eager_s * 1e3 if eager else None, graph_speedup=eager_s / ours_s if eager else None,
                 speedup=theirs_s / ours_s, kv_tokens_mean=kv_tokens, read_bytes=read, roofline_ms=roofline_s * 1e3,
                 roofline_fraction=roofline_s / ours_s, transformers_roofline_fraction=roofline_s / theirs_s))
     finally:
@@ -197,14 +213,15 @@ def decode_section(engine: LLMEngine, path: Path, args, clock: Clock, copy_gbs: 
         del reference
         release(device)
     print_table("decode step by batch (ms; tok/s of decode steps alone; fraction of the copy-bandwidth roofline)",
-                ["batch", "ours ms", "hf ms", "speedup", "ours tok/s", "hf tok/s", "roofline ms", "ours frac",
-                 "hf frac"],
-                [[r["batch"], r["ours_step_ms"], r["transformers_step_ms"], r["speedup"], r["ours_decode_tok_s"],
-                  r["transformers_decode_tok_s"], r["roofline_ms"], r["roofline_fraction"],
+                ["batch", "ours ms", "eager ms", "hf ms", "speedup", "ours tok/s", "hf tok/s", "roofline ms",
+                 "ours frac", "hf frac"],
+                [[r["batch"], r["ours_step_ms"], r["ours_eager_step_ms"], r["transformers_step_ms"], r["speedup"],
+                  r["ours_decode_tok_s"], r["transformers_decode_tok_s"], r["roofline_ms"], r["roofline_fraction"],
                   r["transformers_roofline_fraction"]] for r in rows])
     return dict(rows=rows, transformers_attention=attn, roofline_convention=COPY_CONVENTION,
                 ours_timing="mean wall time of engine.step() calls that decode every sequence of the batch and "
-                            "prefill nothing (synchronized)",
+                            "prefill nothing (synchronized); ours_eager_step_ms: the same run with the decode graphs "
+                            "set aside (null without graphs: off CUDA, or --enforce-eager)",
                 transformers_timing="mean time between consecutive tokens' logits in one generate call (after "
                                     "the first token)")
 

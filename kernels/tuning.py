@@ -27,8 +27,9 @@ import torch
 Config = TypeVar("Config", bound=tuple)
 
 WARMUP, REPEATS = 2, 10
-_chosen: dict[str, tuple] = {}
-_loaded: set[str] = set()
+_chosen: dict[str, tuple] = {}  # what this process launches: tuned here, or saved and still a candidate
+_saved: dict[str, tuple] = {}  # what the cache files hold
+_loaded: set[str] = set()  # the cache files read
 
 
 def cache_file(device: torch.device) -> Path:
@@ -37,30 +38,34 @@ def cache_file(device: torch.device) -> Path:
     return root / f"{name}.json"
 
 
-def choose(kernel: str, key: Hashable, candidates: Sequence[Config], launch: Callable[[Config], object],
-           device: torch.device) -> Config:
-    """The fastest of `candidates` for `kernel` at `key`, `launch(config)` running the kernel once with it
-    (it may be launched again: its output must be a function of its inputs)."""
-    if device.type != "cuda" or os.environ.get("MORPHLING_TUNING") == "0" or len(candidates) == 1:
-        return candidates[0]
+def choose(kernel: str, key: Hashable, candidates: Callable[[], Sequence[Config]],
+           launch: Callable[[Config], object], device: torch.device) -> Config:
+    """The fastest of `candidates()` for `kernel` at `key`, `launch(config)` running the kernel once with it
+    (it may be launched again: its output must be a function of its inputs). Every linear of every prefill
+    asks, so a key decided before is answered from memory alone."""
     name = f"{kernel}{key}"
+    chosen = _chosen.get(name)
+    if chosen is not None:
+        return chosen
+    options = candidates()
+    if device.type != "cuda" or os.environ.get("MORPHLING_TUNING") == "0" or len(options) == 1:
+        return options[0]
     path = cache_file(device)
     if str(path) not in _loaded:
         _loaded.add(str(path))
         if path.exists():
-            _chosen.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
-    known = _chosen.get(name)
-    if known is not None and known in candidates:
-        return known
+            _saved.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
+    if _saved.get(name) in options:
+        _chosen[name] = _saved[name]
+        return _chosen[name]
     if torch.cuda.is_current_stream_capturing():
-        return candidates[0]
-    best = min(candidates, key=lambda c: _time(launch, c))
-    _chosen[name] = best
+        return options[0]
+    _chosen[name] = _saved[name] = min(options, key=lambda c: _time(launch, c))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_chosen, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(_saved, indent=1, sort_keys=True))
     tmp.replace(path)  # processes tuning at once each write a whole file
-    return best
+    return _chosen[name]
 
 
 def _time(launch: Callable[[Config], object], config: Config) -> float:

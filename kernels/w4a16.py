@@ -254,8 +254,8 @@ def w4a16_linear_triton(
     if config is None:
         rows, widths = rows_bucket(m), block_ks(group_size)
         # tl.dot wants operands at least 16 wide: chunks narrower than 32 inputs (16 bytes) take the GEMV only
-        candidates = launch_candidates(rows, widths, gemm=widths[0] >= 32)
-        config = choose("w4a16", (n_out, k, group_size, rows, bias is not None), candidates, launch, x.device)
+        config = choose("w4a16", (n_out, k, group_size, rows, bias is not None),
+                        lambda: launch_candidates(rows, widths, gemm=widths[0] >= 32), launch, x.device)
     launch(config)
     return out.view(*lead, n_out)
 

@@ -283,8 +283,8 @@ def w8a16_linear_triton(
 
     if config is None:
         rows = rows_bucket(m)
-        config = choose("w8a16", (n_out, k, rows, bias is not None), launch_candidates(rows, W8_BLOCK_KS), launch,
-                        x.device)
+        config = choose("w8a16", (n_out, k, rows, bias is not None), lambda: launch_candidates(rows, W8_BLOCK_KS),
+                        launch, x.device)
     launch(config)
     return out.view(*lead, n_out)
 

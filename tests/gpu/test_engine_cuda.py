@@ -149,6 +149,7 @@ def test_every_kernel_is_tuned_at_start_not_after_a_swap(checkpoint, tmp_path, m
     monkeypatch.setenv("MORPHLING_TUNING_CACHE", str(tmp_path))
     monkeypatch.setattr(tuning, "_chosen", {})
     monkeypatch.setattr(tuning, "_loaded", set())
+    monkeypatch.setattr(tuning, "_saved", {})
     engine = cuda_engine(checkpoint, "bfloat16")
     tuned = set(tuning._chosen)
     assert tuned  # the low-bit linears were tuned while the engine started

@@ -2,7 +2,8 @@
 planner knows; a checkpoint (`default` or a path) gives its own (read by the CLI, which has the loader).
 
 Shapes are the models' published configs (Hugging Face config.json of each: meta-llama/Llama-2-7b-hf,
--13b-hf, -70b-hf, meta-llama/Meta-Llama-3-8B, -70B, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M).
+-13b-hf, -70b-hf, meta-llama/Meta-Llama-3-8B, -70B, meta-llama/Llama-3.2-1B, Qwen/Qwen2.5-7B,
+HuggingFaceTB/SmolLM2-135M).
 """
 
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("llama-2-70b", 80, 8192, 28672, 64, 8, 128, 32000, False, 4096),
     ModelShape("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256, False, 8192),
     ModelShape("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256, False, 8192),
+    ModelShape("llama-3.2-1b", 16, 2048, 8192, 32, 8, 64, 128256, True, 131072),
     ModelShape("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, False, 32768),
     ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, True, 8192),
 )}

@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from shared.planner.shapes import SHAPES as PLANNER_SHAPES
+from shared.planner.shapes import ModelShape
+
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/shapes")
 MARKER = "morphling-shape.json"  # written last: its presence means the directory is complete
 FORMAT_VERSION = 1  # bump when what a written directory holds changes meaning
@@ -50,17 +53,9 @@ class ShapeError(ValueError):
 
 
 @dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+class Shape(ModelShape):
+    """A model's shape as the planner knows it (shared/planner/shapes.py), and what a checkpoint of it says
+    besides: its RoPE and its norms' epsilon."""
     rope_theta: float = 500000.0
     rope_scaling: dict | None = field(default=None, hash=False)
     rms_norm_eps: float = 1e-5
@@ -72,8 +67,7 @@ class Shape:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the checkpoint under its Hugging Face name, [out, in], in file order."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
+        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
@@ -83,7 +77,7 @@ class Shape:
                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i)}
         shapes["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
+        if not self.tied_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
@@ -99,8 +93,8 @@ class Shape:
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": INIT_STD, "pretraining_tp": 1,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position,
+            "tie_word_embeddings": self.tied_embeddings, "initializer_range": INIT_STD, "pretraining_tp": 1,
             "use_cache": True, "bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": ids["<|end_of_text|>"],
         }
 
@@ -108,17 +102,14 @@ class Shape:
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
-# The real config.json of each (meta-llama/Llama-3.2-1B, meta-llama/Meta-Llama-3-8B): Llama 3.0's 8B has plain
-# RoPE over 8192 positions; the llama3 scaling came with 3.1. `tiny` is a scaled-down 3.2-1B for tests.
+# The planner's shapes of the real models (meta-llama/Llama-3.2-1B, meta-llama/Meta-Llama-3-8B), with their
+# config.json's RoPE: Llama 3.0's 8B has plain RoPE over 8192 positions; the llama3 scaling came with 3.1.
+# `tiny` is a scaled-down 3.2-1B for tests.
 SHAPES = {
-    "llama-3.2-1b": Shape("llama-3.2-1b", hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                          num_kv_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-                          tie_word_embeddings=True, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
-    "llama-3-8b": Shape("llama-3-8b", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-                        tie_word_embeddings=False),
-    "tiny": Shape("tiny", hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
-                  head_dim=32, vocab_size=2048, max_position_embeddings=131072, tie_word_embeddings=False,
+    "llama-3.2-1b": Shape(**asdict(PLANNER_SHAPES["llama-3.2-1b"]), rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
+    "llama-3-8b": Shape(**asdict(PLANNER_SHAPES["llama-3-8b"])),
+    "tiny": Shape("tiny", num_layers=4, hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
+                  head_dim=32, vocab_size=2048, tied_embeddings=False, max_position=131072,
                   rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
 }
 
@@ -174,7 +165,7 @@ def _write_tokenizer(shape: Shape, out: Path) -> None:
     build_tokenizer(shape.vocab_size).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": shape.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": shape.max_position,
         "clean_up_tokenization_spaces": False,
     }, indent=2))
 

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_description, progress
-from shared.config import DEFAULT_MODEL_NAME, PROJECT_ROOT, parse_size, seconds, served_model_name
+from shared.config import (DEFAULT_MODEL_NAME, LEVERS, PROJECT_ROOT, parse_levers, parse_size, seconds,
+                           served_model_name)
 from shared.net import free_port
 from shared.plans import FFN_PIECES, PlanError, read_plan_file
 
@@ -81,11 +82,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int,
                     help="longest sequence (prompt + output) served; default: the context a `morphling plan` file "
                          "was planned for, else the model's own")
-    ap.add_argument("--mode", default="off", choices=("off", *MORPHING_MODES),
-                    help="how eagerly the controller morphs under load (default %(default)s)")
-    ap.add_argument("--cocoserve", default="off", choices=("off", "scale-down", "default"),
+    ap.add_argument("--mode", choices=("off", *MORPHING_MODES),
+                    help="the controller's preset for the whole ladder: how eagerly it quantizes under load "
+                         "(accuracy, default, performance), CoCoServe's operations and AMOEBAs' merges with each; "
+                         "off: none of them (default: default, or off with --static-bits 8 or 4)")
+    ap.add_argument("--levers", type=levers_arg, default=LEVERS, metavar="LEVER[,LEVER...]",
+                    help=f"the levers the ladder may use, of {', '.join(LEVERS)} (quantize: MorphServe; "
+                         f"replicate: CoCoServe; tp: AMOEBAs), or none (default: all)")
+    ap.add_argument("--cocoserve", choices=("off", "scale-down", "default"),
                     help="CoCoServe on instances of several executors (--plan, --tp): replicate layers onto idle "
-                         "members, migrate, evict and cut the batch under SLO violations (default %(default)s)")
+                         "members, migrate, evict and cut the batch under SLO violations (default: default with the "
+                         "replicate lever and a --mode other than off, else off)")
     ap.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one CoCoServe setting of the controller, e.g. t_down=0.2 (repeatable)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
@@ -172,9 +179,32 @@ def planned(path: Path) -> dict:
     return out
 
 
+def levers_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_levers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def resolve_ladder(args: argparse.Namespace) -> None:
+    """Fill in what --mode and --levers imply for the flags left out: the mode (off for a static baseline),
+    CoCoServe's mode and whether the gateway merges TP instances."""
+    if args.mode is None:
+        args.mode = "default" if args.static_bits == 16 else "off"
+    on = args.mode != "off"
+    if args.cocoserve is None:
+        args.cocoserve = "default" if on and "replicate" in args.levers else "off"
+    if args.tp_scheduler is None and not (on and "tp" in args.levers):
+        args.tp_scheduler = "off"
+
+
 def refused(args: argparse.Namespace) -> str | None:
     """Why these arguments make no sense together, or None. Checked before anything starts."""
-    if args.mode != "off" and args.static_bits != 16:
+    if args.cocoserve not in (None, "off") and "replicate" not in args.levers:
+        return f"--cocoserve {args.cocoserve} needs the replicate lever, which --levers leaves out"
+    if args.tp_scheduler not in (None, "off") and "tp" not in args.levers:
+        return f"--tp-scheduler {args.tp_scheduler} merges TP instances, which --levers leaves out (no tp lever)"
+    if args.mode not in (None, "off") and args.static_bits != 16:
         # The controller would restore "quantized" layers to full precision at the first lull, so
         # the run would be neither the static baseline nor morphing.
         return (f"--mode {args.mode} cannot be combined with --static-bits {args.static_bits}: the static "
@@ -294,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"morphling up: {reason}", file=sys.stderr)
         return 2
+    resolve_ladder(args)
 
     started = time.monotonic()
     stop_requested = Flag()
@@ -317,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"nats-server listening at {nats_url}")
         cluster.start_service("monitor", monitor_args(args, nats_url))
         cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve,
+                                             "--levers", ",".join(args.levers) or "none",
                                              *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set)])
         dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
         if dist_url:

@@ -231,6 +231,20 @@ class MonitorConfig:
     events: EventStreamConfig = EventStreamConfig()  # kept where the NATS server runs JetStream
 
 
+# The controller's levers (DESIGN.md, "The controller's ladder"): quantize and restore layers (MorphServe);
+# replicate, migrate, evict and cut the batch (CoCoServe); merge and split tensor parallelism (AMOEBAs).
+LEVERS = ("quantize", "replicate", "tp")
+
+
+def parse_levers(text: str) -> tuple[str, ...]:
+    """'quantize,tp' -> ('quantize', 'tp'), in LEVERS' order; 'none' or '' -> ()."""
+    names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"]
+    unknown = sorted(set(names) - set(LEVERS))
+    if unknown:
+        raise ValueError(f"unknown lever(s) {', '.join(unknown)}: the levers are {', '.join(LEVERS)} (or none)")
+    return tuple(lever for lever in LEVERS if lever in names)
+
+
 @dataclass(frozen=True)
 class ControllerConfig:
     nats_url: str = "nats://127.0.0.1:4222"
@@ -245,9 +259,8 @@ class ControllerConfig:
     morph_mode: str = "default"  # off | accuracy | default | performance
     morph_overrides: tuple[tuple[str, object], ...] = ()
     # CoCoServe's scale-up and scale-down (services/controller/policies/cocoserve.py) on instances of several
-    # executors: a mode, then any CocoSettings field overridden by name, e.g. (("t_down", 0.2),). Off unless
-    # asked for, like the morph mode in `up`: a deployment serves the plan it was started with by default.
-    cocoserve_mode: str = "off"  # off | scale-down | default
+    # executors: a mode, then any CocoSettings field overridden by name, e.g. (("t_down", 0.2),).
+    cocoserve_mode: str = "default"  # off | scale-down | default
     cocoserve_overrides: tuple[tuple[str, object], ...] = ()
     # The speed-up model's fitted costs (`morphling profile --speedup` JSON); None: speedup.DEFAULT_PROFILE.
     speedup_profile: str | None = None
@@ -257,3 +270,10 @@ class ControllerConfig:
     # no quality, and a merge nothing needs only costs speed.
     amoebas: bool = True
     split_free_fraction: float = 0.5
+    # The rungs the ladder may use (a subset of LEVERS): one lever alone is how each paper's system is run.
+    levers: tuple[str, ...] = LEVERS
+
+    def __post_init__(self) -> None:
+        unknown = set(self.levers) - set(LEVERS)
+        if unknown:
+            raise ValueError(f"unknown lever(s) {', '.join(sorted(unknown))}: the levers are {', '.join(LEVERS)}")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class Message(BaseModel):
@@ -233,6 +233,15 @@ class ExecutorTelemetry(Message):
     longest_blocks: int = 0
     kv_heads: int = 0  # the model's KV heads
     merge_hold_s: float = 0.0  # a merged instance's leader: seconds before a split may be considered
+    # Hard signs of memory pressure, counted since the process started: steps in which the head of the waiting
+    # queue could not be admitted for want of free KV pages, and requests refused for a full queue. With
+    # `preemptions` they make `pressure_events`, whose growth wakes the monitor and the controller at once.
+    admission_blocked: int = 0
+    rejected: int = 0
+
+    @property
+    def pressure_events(self) -> int:
+        return self.preemptions + self.admission_blocked + self.rejected
 
 
 class SloWindow(Part):

@@ -67,7 +67,7 @@ def poisson_requests(rate: float, duration: float, prompt_tokens: int, output_to
 
 def up_command(args, config: str, port: int, log_dir: Path) -> list[str]:
     return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--executors", "2",
-            "--plan", str(args.plan), "--memory-budget", args.memory_budget, "--max-model-len", "512",
+            "--levers", "replicate", "--plan", str(args.plan), "--memory-budget", args.memory_budget, "--max-model-len", "512",
             "--cocoserve", CONFIGS[config], "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
             "--log-dir", str(log_dir), "--timeout", str(args.startup_timeout)]
 

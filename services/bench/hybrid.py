@@ -74,7 +74,8 @@ def hybrid_requests(args) -> list[TraceRequest]:
 def up_command(args, strategy: str, port: int, log_dir: Path) -> list[str]:
     return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--executors", str(args.executors),
             "--memory-budget", args.memory_budget, "--max-model-len", str(args.max_model_len),
-            "--tp-scheduler", strategy, "--log-dir", str(log_dir), "--timeout", str(args.startup_timeout)]
+            "--levers", "tp", "--tp-scheduler", strategy, "--log-dir", str(log_dir),
+            "--timeout", str(args.startup_timeout)]
 
 
 def merged_instances(sample: ClusterSample) -> int:

@@ -7,6 +7,11 @@ pressure windows, steps *down* ("leave") after `leave_after` consecutive calm wi
 steps down sooner than `min_dwell_s` after it stepped up (DESIGN.md: "leave after m windows below the
 low mark and a minimum dwell").
 
+A window can also be *urgent*: pressure shown by events, not by a level (a preemption, an admission that waits
+for KV pages, a refusal for a full queue, counted by the executor). Those are not noise a window could
+smooth away: requests are already paying for them. An urgent pressure window steps up at once, whatever
+`enter_after` says (issue 16: the first quantize within a second of the first sign of pressure).
+
 The dwell holds only that turn. A burst that follows a restore is met after its own `enter_after`
 windows: holding it for the dwell too would leave the burst queueing on the smaller cache for the
 whole dwell (measured with `morphling bench`: eleven seconds of rising TTFT after a restore that came
@@ -47,14 +52,16 @@ class HysteresisState:
 
 
 def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, calm: bool,
-            now: float) -> tuple[Direction | None, HysteresisState]:
+            now: float, urgent: bool = False) -> tuple[Direction | None, HysteresisState]:
     """One window: returns the step to take now (if any) and the next state.
 
     Pressure wins over calm when a caller reports both, because under-reacting to pressure costs
-    requests while a late restore only costs some accuracy for a while.
+    requests while a late restore only costs some accuracy for a while. `urgent` (with `pressure`) counts
+    as a whole run of pressure windows.
     """
     if pressure:
-        state = replace(state, pressure_windows=state.pressure_windows + 1, calm_windows=0)
+        windows = max(state.pressure_windows + 1, params.enter_after if urgent else 0)
+        state = replace(state, pressure_windows=windows, calm_windows=0)
     elif calm:
         state = replace(state, pressure_windows=0, calm_windows=state.calm_windows + 1)
     else:
@@ -82,6 +89,6 @@ class Hysteresis:
         self.params = HysteresisParams(enter_after, leave_after, min_dwell_s)
         self.state = state or HysteresisState()
 
-    def update(self, pressure: bool, calm: bool, now: float) -> Direction | None:
-        event, self.state = advance(self.params, self.state, pressure, calm, now)
+    def update(self, pressure: bool, calm: bool, now: float, urgent: bool = False) -> Direction | None:
+        event, self.state = advance(self.params, self.state, pressure, calm, now, urgent)
         return event

@@ -1,12 +1,15 @@
 """The controller process: follows the cluster state and sends the policies' commands.
 
-The ladder (policies/ladder.py): MorphServe's layer swapping (policies/morph.py, `--mode`) on every
-instance's leader, then CoCoServe's scale-down, and its scale-up on idle capacity (policies/cocoserve.py,
-`--cocoserve`) on instances of several executors; beside it, AMOEBAs' split of TP merges nothing needs any
-more (policies/amoebas.py, `--amoebas`, on whatever the modes). All off runs the process with no policy at
-all rather than not running it, so that deployments, `morphling up` and the audit trail keep
-one shape whether or not anything morphs: the static baselines (executors started with --static-bits) are
-measured with exactly that.
+One policy, the ladder (policies/ladder.py), over every lever `--levers` allows: MorphServe's layer swapping
+(policies/morph.py, `--mode`) on every instance's leader; CoCoServe's scale-down, and its scale-up on idle
+capacity (policies/cocoserve.py, `--cocoserve`), on instances of several executors; AMOEBAs' split of TP merges
+nothing needs any more (policies/amoebas.py, `--amoebas`). All off runs the process with no policy at all
+rather than not running it, so that deployments, `morphling up` and the audit trail keep one shape whether or
+not anything morphs: the static baselines (executors started with --static-bits) are measured with exactly that.
+
+It plans on every cluster state the monitor publishes: at its clock, and at once when an executor reports
+pressure events (a preemption, an admission held for KV pages, a refusal), which the quantize rung acts on
+without waiting out its hysteresis windows.
 
 The morph settings are not fixed here: a mode's preset is scaled to each executor's depth, read
 from its telemetry on every window, so one controller serves executors of different models, each in
@@ -25,10 +28,10 @@ import logging
 import sys
 
 from services.controller.loop import Controller
-from services.controller.policies import amoebas, cocoserve_algorithms, ladder
+from services.controller.policies import cocoserve_algorithms, ladder
 from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
-from shared.config import ControllerConfig, read_swap_order
+from shared.config import LEVERS, ControllerConfig, parse_levers, read_swap_order
 from shared.speedup import SpeedupProfile
 from shared.telemetry import setup_tracing
 
@@ -41,14 +44,15 @@ async def _run_until_signalled(config: ControllerConfig, profile: SpeedupProfile
     if bus is None:
         log.info("controller: stopped before the bus connected")
         return
-    # The ladder reads both rungs' modes and overrides from the config at each window.
-    policies = [] if config.morph_mode == config.cocoserve_mode == "off" else [ladder.make_policy(profile)]
-    if config.amoebas:
-        policies.append(amoebas.split_policy)
+    # The ladder reads the rungs' modes, levers and overrides from the config at each window.
+    active = {"quantize": config.morph_mode != "off", "replicate": config.cocoserve_mode != "off",
+              "tp": config.amoebas}
+    policies = [ladder.make_policy(profile)] if any(active[lever] for lever in config.levers) else []
     controller = Controller(config, policies=policies)
     await controller.start(bus)
-    log.info("controller %s: following the cluster state on %s (morph mode %s%s; CoCoServe mode %s%s; speed-up "
-             "profile %s)", config.controller_id, config.nats_url, config.morph_mode,
+    log.info("controller %s: following the cluster state on %s (levers %s; morph mode %s%s; CoCoServe mode %s%s; "
+             "speed-up profile %s)", config.controller_id, config.nats_url, ",".join(config.levers) or "none",
+             config.morph_mode,
              "".join(f", {k}={v}" for k, v in config.morph_overrides), config.cocoserve_mode,
              "".join(f", {k}={v}" for k, v in config.cocoserve_overrides), config.speedup_profile or "default")
     await stop.wait()
@@ -80,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for an executor's answer to one attempt")
     parser.add_argument("--command-retries", type=int, default=defaults.command_retries,
                         help="extra attempts (same seq) after an unanswered command")
+    parser.add_argument("--levers", default=",".join(defaults.levers), metavar="LEVER[,LEVER...]",
+                        help=f"the rungs of the ladder it may use, of {', '.join(LEVERS)}, or none "
+                             f"(default %(default)s)")
     parser.add_argument("--mode", default=defaults.morph_mode, choices=MODES,
                         help="how eagerly layers are quantized under load; off: no morphing (default %(default)s)")
     parser.add_argument("--swap-order", metavar="PATH",
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command_timeout <= 0 or args.command_retries < 0:
         parser.error("--command-timeout must be positive and --command-retries non-negative")
     try:
+        levers = parse_levers(args.levers)
         overrides = dict(parse_setting(text) for text in args.morph_set)
         if args.swap_order:
             overrides["swap_order"] = read_swap_order(args.swap_order)
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                               command_timeout_s=args.command_timeout, command_retries=args.command_retries,
                               morph_mode=args.mode, morph_overrides=tuple(overrides.items()),
                               cocoserve_mode=args.cocoserve, cocoserve_overrides=tuple(coco_overrides.items()),
-                              speedup_profile=args.speedup, amoebas=args.amoebas == "on")
+                              speedup_profile=args.speedup, amoebas=args.amoebas == "on", levers=levers)
     try:
         asyncio.run(_run_until_signalled(config, profile))
     except BusError as exc:

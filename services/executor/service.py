@@ -24,7 +24,7 @@ from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
-                             DrainArgs, ErrorInfo, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
+                             DrainArgs, ErrorInfo, Event, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
                              InstancePlan, KvPages, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
                              RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
 from shared.plans import alone_id
@@ -33,6 +33,7 @@ from shared.tp_scheduler import MAX_TP, world_allows
 log = logging.getLogger(__name__)
 
 COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
+PRESSURE_EVENT_INTERVAL_S = 1.0
 
 
 def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
@@ -46,8 +47,10 @@ def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
             "seconds": report.seconds}
 
 
-async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry], interval_s: float) -> None:
-    """Publish `telemetry()` every `interval_s` until cancelled: an executor's heartbeat, leader or follower."""
+async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry], interval_s: float,
+                    wake: asyncio.Event | None = None) -> None:
+    """Publish `telemetry()` every `interval_s` until cancelled: an executor's heartbeat, leader or follower.
+    Setting `wake` publishes at once, out of the cycle: pressure must not wait for the next beat."""
     while True:
         try:
             await bus.publish(subjects.telemetry(executor), telemetry())
@@ -55,7 +58,14 @@ async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTel
             pass
         except Exception:
             log.exception("executor %s: telemetry failed", executor)
-        await asyncio.sleep(interval_s)
+        if wake is None:
+            await asyncio.sleep(interval_s)
+            continue
+        try:
+            await asyncio.wait_for(wake.wait(), interval_s)
+        except TimeoutError:
+            pass
+        wake.clear()
 
 
 class ExecutorService:
@@ -84,7 +94,11 @@ class ExecutorService:
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
                                    config.admission_limit, self._outbox.put, self._publish,
-                                   max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken)
+                                   max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken,
+                                   on_pressure=self._on_pressure)
+        self._pressure = asyncio.Event()
+        self._pressure_event_at = 0.0  # when the last pressure event went out (they are rate-limited)
+        self._pressure_tasks: set[asyncio.Task] = set()
         if world is not None:
             self.worker.tp_degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
 
@@ -142,6 +156,7 @@ class ExecutorService:
         try:
             self.worker.admit(incoming.message, incoming)
         except QueueFullError as exc:
+            self.worker.count_rejection()
             await incoming.reply(rejection(self.id, incoming.message, "queue_full", str(exc)))
 
     async def _on_cancel(self, incoming: Incoming) -> None:
@@ -153,6 +168,27 @@ class ExecutorService:
         log.warning("executor %s: the bus has been gone %.1f s; aborting %d requests in flight", self.id, seconds,
                     self.worker.snapshot.in_flight)
         self.worker.abort_all()
+
+    def _on_pressure(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._pressure_rose)
+
+    def _pressure_rose(self) -> None:
+        """Telemetry goes out at once (the monitor republishes the state on it, and the controller plans on that);
+        an event says so in the audit trail, at most once a second, since a starved step repeats every step."""
+        self._pressure.set()
+        now = time.time()
+        if now - self._pressure_event_at < PRESSURE_EVENT_INTERVAL_S or self._bus is None:
+            return
+        self._pressure_event_at = now
+        stats = self.worker.snapshot.stats
+        event = Event(kind="pressure", source=self.id, time=now,
+                      data={"executor": self.id, "preemptions": stats.preemptions,
+                            "admission_blocked": stats.admission_blocked, "rejected": self.worker.rejected,
+                            "waiting": stats.waiting, "pages_free": stats.ledger.pages_kv_free})
+        task = asyncio.create_task(self._publish(subjects.EVENTS, event), name=f"{self.id}-pressure")
+        self._pressure_tasks.add(task)
+        task.add_done_callback(self._pressure_tasks.discard)
 
     def _on_broken(self, exc: Exception) -> None:
         log.warning("executor %s: instance %s is broken: %s", self.id, self.plan.id if self.plan else "?", exc)
@@ -297,7 +333,7 @@ class ExecutorService:
         await self._bus.publish(subject, message)
 
     async def _telemetry(self) -> None:
-        await heartbeat(self._bus, self.id, self.telemetry, self.config.telemetry_interval_s)
+        await heartbeat(self._bus, self.id, self.telemetry, self.config.telemetry_interval_s, self._pressure)
 
     def telemetry(self) -> ExecutorTelemetry:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
@@ -316,7 +352,8 @@ class ExecutorService:
             layers=snap.layers if member is None else [layer.bits for layer in self.plan.layers],
             swap_order=engine.swapper.swap_order if member is None else list(range(len(self.plan.layers))),
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
-            preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
+            preemptions=stats.preemptions, admission_blocked=stats.admission_blocked, rejected=worker.rejected,
+            prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
             ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats(),
             plan=self.plan, max_num_seqs=snap.max_num_seqs, requests=worker.finished.drain(),

@@ -128,11 +128,18 @@ def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
 class EngineWorker:
     def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, pending_admissions: int,
                  send: Send, publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
-                 on_broken: Callable[[Exception], None] = lambda exc: None):
-        """`on_broken` is called (from the engine thread) once the instance this engine leads loses a member."""
+                 on_broken: Callable[[Exception], None] = lambda exc: None,
+                 on_pressure: Callable[[], None] = lambda: None):
+        """`on_broken` is called (from the engine thread) once the instance this engine leads loses a member;
+        `on_pressure` (from the engine thread) after a step that preempted, left the queue's head waiting for KV
+        pages, or followed a refusal for a full queue: the controller should hear of those at once."""
         self.engine = engine
         self.broken = False
         self._on_broken = on_broken
+        self._on_pressure = on_pressure
+        self._rejected = 0  # requests refused for a full queue, from either thread
+        self._rejected_lock = threading.Lock()
+        self._pressure_seen = 0
         self.executor = executor
         self.model_name = model_name
         self.draining = False  # set by the service; admissions seen after it are refused
@@ -187,6 +194,14 @@ class EngineWorker:
     def abort_all(self) -> None:
         self._ops.put(self._abort_all)
 
+    def count_rejection(self) -> None:
+        with self._rejected_lock:
+            self._rejected += 1
+
+    @property
+    def rejected(self) -> int:
+        return self._rejected
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` in the engine thread between two steps (where swapping layers is safe)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -214,6 +229,7 @@ class EngineWorker:
                 elif not self.broken:
                     self.engine.keepalive()
                 self.snapshot = self._take_snapshot()
+                self._report_pressure()
             except FabricError as exc:
                 self._break(exc)
             except Exception:  # the thread is the executor: it must outlive any single failure
@@ -235,6 +251,13 @@ class EngineWorker:
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
                         self._units())
+
+    def _report_pressure(self) -> None:
+        stats = self.snapshot.stats
+        count = stats.preemptions + stats.admission_blocked + self._rejected
+        if count > self._pressure_seen:
+            self._pressure_seen = count
+            self._on_pressure()
 
     def _units(self) -> dict[int, int]:
         """merge.kv_units, recomputed only when the layers' bits change. In a merged instance (whose bits do
@@ -304,6 +327,7 @@ class EngineWorker:
         departures, span_s = self._departures.recent()
         # A request moving here mid-stream has a client already reading it: it is not refused for the wait.
         if not req.resume and not admits(ahead, departures, span_s, self.max_queue_wait_s):
+            self.count_rejection()
             wait = predicted_wait_s(ahead, departures, span_s)
             return rejection(self.executor, req, "queue_full",
                              f"the waiting queue would hold the request about {wait:.0f} s ({ahead} requests "
@@ -320,6 +344,7 @@ class EngineWorker:
             refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
             return refused.model_copy(update={"prompt_tokens": exc.prompt_tokens})
         except QueueFullError as exc:
+            self.count_rejection()
             return rejection(self.executor, req, "queue_full", str(exc))
         except Exception as exc:
             log.exception("executor %s: admitting %s failed", self.executor, req.request_id)

@@ -93,15 +93,18 @@ class ClusterView:
     def _slo_tracker(self) -> SloTracker:
         return SloTracker(self.config.slo_ttft_s, self.config.slo_tpot_s, self.config.slo_window_s)
 
-    def observe(self, t: ExecutorTelemetry, now: float) -> None:
+    def observe(self, t: ExecutorTelemetry, now: float) -> bool:
+        """Take in one report; True when it shows pressure events (preemptions, admissions waiting for KV,
+        refusals) its predecessor from the same process had not: the state should go out now, not at the tick."""
         samples, t = t.requests, (t.model_copy(update={"requests": []}) if t.requests else t)
         e = self._executors.get(t.executor)
         if e is None:
             e = _Executor(t, now, kv_usage(t), t.queue_delay_s, float(t.waiting), self._slo_tracker())
             e.slo.add(samples, now)
             self._executors[t.executor] = e
-            return
+            return t.pressure_events > 0
         restarted = t.instance != e.telemetry.instance
+        pressure_rose = t.pressure_events > (0 if restarted else e.telemetry.pressure_events)
         if e.reported == UP and (restarted or not self.alive(t.executor, now)):
             # It died and came back between two transitions() calls: the "down" must not be lost,
             # or the events would claim an executor that restarted had never gone away.
@@ -121,6 +124,7 @@ class ClusterView:
         e.telemetry = t
         e.gone = False
         e.last_seen = max(e.last_seen, now)
+        return pressure_rose
 
     def state(self, now: float) -> ClusterState:
         return ClusterState(time=now, executors=[

@@ -2,7 +2,9 @@
 
 The gateway routes and the controller decides on what this publishes, so it publishes on a fixed
 clock (≥ 4 Hz) rather than on each telemetry message: the state's rate stays bounded however many
-executors report, and a dead executor is noticed even when nothing at all arrives. The judging
+executors report, and a dead executor is noticed even when nothing at all arrives. One exception: a
+report that shows new pressure events (a preemption, an admission waiting for KV, a refusal) publishes the
+state at once, between ticks, because the controller's first reaction should not wait for the clock. The judging
 itself lives in aggregate.py (pure); this file only wires it to the bus and the wall clock.
 
 It also has JetStream keep the events subject (MonitorConfig.events), since it is the one process
@@ -47,6 +49,7 @@ class MonitorService:
         # look like a retry of its predecessor's pings.
         self._issuer = f"monitor-{uuid.uuid4().hex[:8]}"
         self._probe_seq = itertools.count(1)
+        self._urgent = asyncio.Event()  # set by a report of new pressure: publish before the next tick
 
     async def start(self, bus: Bus) -> None:
         self._bus = bus
@@ -86,7 +89,8 @@ class MonitorService:
                         "with -js to keep them)")
 
     async def _on_telemetry(self, incoming: Incoming) -> None:
-        self.view.observe(incoming.message, time.time())
+        if self.view.observe(incoming.message, time.time()):
+            self._urgent.set()
 
     async def _publish_loop(self) -> None:
         interval = self.config.publish_interval_s
@@ -97,13 +101,19 @@ class MonitorService:
                 await self._publish_once(time.time())
             except Exception:  # a failed publish (e.g. mid-reconnect) must not stop the clock
                 log.exception("publishing the cluster state failed")
-            # Ticks are scheduled from a fixed origin so that slow publishes do not drift the rate.
-            next_tick += interval
+            # Ticks are scheduled from a fixed origin so that slow publishes do not drift the rate; a report of
+            # new pressure publishes between ticks without moving them, so the controller hears of it at once.
+            if loop.time() >= next_tick:
+                next_tick += interval
             delay = next_tick - loop.time()
             if delay < 0:
                 next_tick = loop.time()
                 delay = 0
-            await asyncio.sleep(delay)
+            self._urgent.clear()
+            try:
+                await asyncio.wait_for(self._urgent.wait(), delay)
+            except TimeoutError:
+                pass
 
     async def _publish_once(self, now: float) -> None:
         assert self._bus is not None

@@ -22,7 +22,8 @@ PLAN = PROJECT_ROOT / "deploy/plans/default-spare-exec1.json"
 MODEL = "SmolLM2-135M-Instruct"
 # Short windows so that a CPU run shows every phase within a minute; the SLOs are the monitor's, with a
 # TTFT the burst below breaks for most of its requests and an idle instance meets easily.
-FLAGS = ("--executors", "2", "--plan", str(PLAN), "--cocoserve", "default", "--slo-ttft", "1.5",
+FLAGS = ("--executors", "2", "--plan", str(PLAN), "--levers", "replicate", "--cocoserve", "default",
+         "--slo-ttft", "1.5",
          "--slo-tpot", "1.0", "--slo-window", "5", *(f"--cocoserve-set={kv}" for kv in (
              "step=8", "enter_windows=3", "leave_windows=5", "up_windows=3", "settle_s=2", "min_dwell_s=4",
              "delta_bs=16")))

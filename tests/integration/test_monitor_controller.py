@@ -105,6 +105,37 @@ def test_monitor_publishes_state_and_executor_up_down(nats_server):
     asyncio.run(scenario())
 
 
+def test_a_report_of_new_pressure_events_goes_out_in_a_state_before_the_next_tick(nats_server):
+    # A clock far slower than the test: a state that shows the preemption can only come from the report itself.
+    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=60.0, suspect_after_s=60.0,
+                           dead_after_s=120.0)
+
+    async def scenario():
+        bus = await Bus.connect(nats_server.url, "monitor")
+        probe = await Bus.connect(nats_server.url, "probe")
+        states = await _collect(probe, subjects.STATE, ClusterState)
+        await probe.flush()
+        monitor = MonitorService(config)
+        await monitor.start(bus)
+
+        def preemptions() -> list[int]:
+            return [e.telemetry.preemptions for _, s in states for e in s.executors]
+
+        try:
+            await _until(lambda: states, timeout=5)  # the first tick, with nobody in it yet
+            await probe.publish(subjects.telemetry("e"), telemetry("e", time.time()))
+            await probe.publish(subjects.telemetry("e"), telemetry("e", time.time()).model_copy(
+                update={"preemptions": 1}))
+            await _until(lambda: 1 in preemptions(), timeout=20)
+            assert len(states) == 2  # one state for the report with news, none for the quiet one
+        finally:
+            await monitor.stop()
+            await bus.close()
+            await probe.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_silent_executor_whose_process_is_gone_dies_at_once_a_stalled_one_only_after_dead_after(nats_server):
     config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.1, suspect_after_s=0.5, dead_after_s=4.0)
 

@@ -82,7 +82,48 @@ def test_up_passes_the_mode_to_the_controller_and_the_bits_to_every_executor(tmp
     assert executor[executor.index("--static-bits") + 1] == "4"
 
 
+def _started_by_up(argv, tmp_path, monkeypatch) -> dict[str, list[str]]:
+    started: dict[str, list[str]] = {}
+    monkeypatch.setattr(Cluster, "start_service",
+                        lambda self, role, args, name=None: started.setdefault(role, list(args)))
+    monkeypatch.setattr(up, "_wait_and_serve", lambda *a: 0)
+    assert up.main(["--nats", "nats://127.0.0.1:1", "--log-dir", str(tmp_path), *argv]) == 0
+    return started
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("argv, mode, cocoserve, levers, tp_scheduler", [
+    ([], "default", "default", "quantize,replicate,tp", None),  # every lever, the gateway merging
+    (["--mode", "accuracy", "--levers", "quantize"], "accuracy", "off", "quantize", "off"),
+    (["--levers", "replicate,tp"], "default", "default", "replicate,tp", None),
+    (["--levers", "none"], "default", "off", "none", "off"),
+    (["--static-bits", "4"], "off", "off", "quantize,replicate,tp", "off"),  # a static baseline moves nothing
+    (["--mode", "off"], "off", "off", "quantize,replicate,tp", "off"),
+])
+def test_up_presets_cover_the_ladder_and_levers_limit_it(argv, mode, cocoserve, levers, tp_scheduler, tmp_path,
+                                                         monkeypatch):
+    started = _started_by_up(argv, tmp_path, monkeypatch)
+    controller, gateway = started["controller"], started["gateway"]
+    assert (_flag(controller, "--mode"), _flag(controller, "--cocoserve"), _flag(controller, "--levers")) == \
+        (mode, cocoserve, levers)
+    assert _flag(gateway, "--tp-scheduler") == tp_scheduler
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--levers", "quantize,teleport"], "unknown lever(s) teleport"),
+    (["--levers", "quantize", "--cocoserve", "default"], "needs the replicate lever"),
+    (["--levers", "quantize", "--tp-scheduler", "rr"], "no tp lever"),
+])
+def test_up_refuses_levers_that_contradict_other_flags(argv, complaint):
+    result = run_cli("up", "--port", "1", *argv, timeout=30)
+    assert result.returncode == 2 and complaint in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("args, complaint", [
+    (["--levers", "quantize,bogus"], "unknown lever(s) bogus"),
     (["--mode", "fast"], "invalid choice"),
     (["--morph-set", "no_such_setting=1"], "unknown morph setting"),
     (["--morph-set", "kv_high"], "key=value"),

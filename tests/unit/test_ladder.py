@@ -30,13 +30,14 @@ class Instance(FakeInstance):
         return state
 
 
-def drive(instance: Instance, memory: ladder.LadderMemory, windows: int, rate: float, used: float, start: float):
+def drive(instance: Instance, memory: ladder.LadderMemory, windows: int, rate: float, used: float, start: float,
+          levers=ladder.LEVERS):
     """(the commands of `windows` windows at SLO violation rate `rate`, KV `used` of the leader's blocks)."""
     log, now = [], start
     for _ in range(windows):
         now += 0.2
         instance.used = round(used * instance.blocks())
-        commands, memory = ladder.plan(instance.state(now, rate), memory, MORPH, FAST)
+        commands, memory = ladder.plan(instance.state(now, rate), memory, MORPH, FAST, levers=levers)
         instance.apply(commands)
         log += [c.args.kind for c in commands]
     return log, memory, now
@@ -64,3 +65,14 @@ def test_violations_without_memory_pressure_go_straight_to_cocoserve():
     instance = Instance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
     down, _, _ = drive(instance, ladder.LadderMemory(), 100, VIOLATING, 0.2, 0.0)
     assert down and "quantize" not in down and down[0] == "migrate", down
+
+
+def test_the_levers_limit_the_ladder_to_their_rungs():
+    quantize_only = Instance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
+    down, _, _ = drive(quantize_only, ladder.LadderMemory(), 300, VIOLATING, 1.0, 0.0, levers=("quantize",))
+    assert "quantize" in down and set(down) <= set(SWAPS), down
+    replicate_only = Instance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
+    down, _, _ = drive(replicate_only, ladder.LadderMemory(), 300, VIOLATING, 1.0, 0.0, levers=("replicate", "tp"))
+    assert "migrate" in down and not set(down) & set(SWAPS), down
+    idle = Instance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
+    assert drive(idle, ladder.LadderMemory(), 300, VIOLATING, 1.0, 0.0, levers=())[0] == []

@@ -22,6 +22,19 @@ def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting:
                              queue_delay_s=queue_delay_s, ttft_s=0.0, tpot_s=0.0, plan=plan)
 
 
+def test_a_report_of_new_pressure_events_asks_for_the_state_at_once():
+    view = ClusterView(MonitorConfig())
+    assert not view.observe(telemetry("a", 0.0), now=0.0)
+    pressed = telemetry("a", 0.1).model_copy(update={"preemptions": 1})
+    assert view.observe(pressed, now=0.1)
+    assert not view.observe(pressed.model_copy(update={"time": 0.2}), now=0.2)  # nothing new
+    assert view.observe(pressed.model_copy(update={"time": 0.3, "admission_blocked": 1}), now=0.3)
+    assert view.observe(pressed.model_copy(update={"time": 0.4, "admission_blocked": 1, "rejected": 2}), now=0.4)
+    restarted = telemetry("a", 0.5, instance="i1").model_copy(update={"preemptions": 1})
+    assert view.observe(restarted, now=0.5)  # a new process: its first event is new, however it compares
+    assert view.observe(telemetry("b", 0.5).model_copy(update={"rejected": 1}), now=0.5)  # new executor
+
+
 def test_ewma_follows_a_step_with_the_configured_half_life():
     view = ClusterView(MonitorConfig(ewma_half_life_s=1.0, dead_after_s=10.0))
     view.observe(telemetry("a", 0.0, used=0, free=100), now=0.0)

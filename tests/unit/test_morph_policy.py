@@ -45,17 +45,19 @@ class FakeExecutor:
                     assert self.layers[i] <= 8, f"layer {i} is not quantized"
                     self.layers[i] = 16
 
-    def state(self, usage: float, waiting: int = 0, delay: float = 0.0, growth: int = 0) -> ExecutorState:
+    def state(self, usage: float, waiting: int = 0, delay: float = 0.0, growth: int = 0, preemptions: int = 0,
+              admission_blocked: int = 0, rejected: int = 0, instance: str = "i0") -> ExecutorState:
         cap = self.capacity()
         used = min(cap, round(usage * cap))
         ext = cap - BASE
         kv = KvPages(pages_total=BASE + SLOT * len(self.layers), pages_slot=SLOT * len(self.layers) - ext,
                      pages_free=cap - used, pages_used=used, pages_base=BASE, pages_extension=ext)
-        t = ExecutorTelemetry(executor=self.name, instance="i0", time=0.0, model="m", max_model_len=64, block_size=16,
-                              page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[], running=1,
-                              waiting=waiting, max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0,
-                              queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=self.plan,
-                              pages_growth=growth)
+        t = ExecutorTelemetry(executor=self.name, instance=instance, time=0.0, model="m", max_model_len=64,
+                              block_size=16, page_bytes=4096, kv=kv, layers=list(self.layers), swap_order=[],
+                              running=1, waiting=waiting, max_waiting=8, preemptions=preemptions, prompt_tokens=0,
+                              generated_tokens=0, queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining,
+                              plan=self.plan, pages_growth=growth, admission_blocked=admission_blocked,
+                              rejected=rejected)
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
                              queue_delay_s=delay, waiting=waiting, telemetry=t)
 
@@ -94,6 +96,28 @@ def test_int4_only_and_single_layer_steps():
     for _ in range(10):
         d.window(PRESSURE)
     assert [c.args.model_dump() for _, c in d.log] == [{"layers": [i], "bits": 4} for i in range(3)]
+
+
+def test_pressure_events_quantize_at_once_and_only_new_ones_count():
+    d = Driver()  # enter_windows=3: a level alone needs three windows
+    assert not d.window(0.5)
+    assert d.window(0.5, preemptions=1) and d.log[-1][1].args.layers == [5, 2]  # the first preemption: at once
+    assert "1 preemptions" in d.log[-1][1].reason and d.log[-1][1].inputs["pressure_events"] == 1
+    assert not any(d.window(0.5, preemptions=1) for _ in range(5))  # the same count is no new event
+    assert d.window(0.5, preemptions=1, admission_blocked=2)  # a head of the queue held for pages
+    assert d.window(0.5, preemptions=1, admission_blocked=2, rejected=1)  # a refusal for a full queue
+    # A restarted process counts from zero: its first events are new, a count no higher than before is too.
+    assert d.window(0.5, preemptions=1, instance="i1")
+    assert not d.window(0.5, preemptions=1, instance="i1")
+
+
+def test_pressure_events_wait_for_a_layer_to_quantize_and_never_skip_the_dwell_down():
+    d = Driver(MorphSettings(enter_windows=3, leave_windows=1, min_dwell_s=2.0, step=1, max_layers=1,
+                             bits_order=(8,)))
+    assert d.window(0.5, preemptions=1)
+    assert not d.window(0.5, preemptions=2)  # the top of the ladder: nothing left to quantize
+    assert not any(d.window(CALM, preemptions=2) for _ in range(int(1.8 / d.dt)))  # the dwell holds the restore
+    assert any(d.window(CALM, preemptions=2) for _ in range(3))
 
 
 def test_calm_restores_in_reverse_only_after_m_windows_and_the_dwell():
@@ -229,6 +253,8 @@ def test_hysteresis_counts_windows_and_waits_out_the_dwell():
     assert h.update(True, True, 12) is None  # pressure wins a contradictory window but needs its run
     assert h.update(True, False, 13) == "enter"  # a burst right after a restore waits for no dwell
     assert [h.update(False, True, t) for t in (14, 15, 16)] == [None, None, None]  # but the way down does
+    assert h.update(True, False, 17, urgent=True) == "enter"  # urgent pressure is a whole run at once
+    assert h.update(False, True, 18, urgent=True) is None  # urgency without pressure is nothing
 
 
 def test_restore_rank_is_reverse_of_the_ladder():

@@ -80,6 +80,22 @@ def test_out_of_pages_preempts_the_newest_and_it_comes_back_first():
     assert s.blocks.ledger.num_free + len(a.block_table) == free
 
 
+def test_a_head_held_for_pages_counts_as_blocked_and_one_held_for_a_slot_does_not():
+    s = make_scheduler(max_num_batched_tokens=256)
+    a = seq("a", (PAGES - SLOT_PAGES) * BLOCK - 1)  # its prompt and first token take every free page
+    s.add(a)
+    run_step(s)
+    s.add(seq("b", 8))
+    run_step(s)
+    assert s.num_admission_blocked == 1 and [q.request_id for q in s.waiting] == ["b"]
+    full = make_scheduler(max_num_seqs=1)
+    full.add(seq("c", 3))
+    run_step(full)
+    full.add(seq("d", 3))
+    run_step(full)
+    assert full.num_admission_blocked == 0 and len(full.waiting) == 1
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()

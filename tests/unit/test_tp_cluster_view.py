@@ -4,7 +4,7 @@ tp_split."""
 
 import pytest
 
-from services.controller.policies.amoebas import split_policy
+from services.controller.policies.amoebas import splits
 from services.gateway import admin, tp_merges
 from services.gateway.openai_api import ApiError
 from shared.config import ControllerConfig
@@ -56,16 +56,16 @@ def test_a_merge_nothing_needs_stops_taking_requests_and_the_controller_splits_i
     config = ControllerConfig()
     busy = state(*merged("exec0", "exec1", free=200, used=250, longest=300))  # the long request still runs
     [i] = instances_from(busy, "m")
-    assert i.merged and i.accepting and split_policy(busy, [], config) == []
+    assert i.merged and i.accepting and splits(busy, config.split_free_fraction) == []
     held = state(*merged("exec0", "exec1", free=450, used=0, longest=0, hold=5.0))  # just merged, request on its way
-    assert instances_from(held, "m")[0].accepting and split_policy(held, [], config) == []
+    assert instances_from(held, "m")[0].accepting and splits(held, config.split_free_fraction) == []
     draining = state(*merged("exec0", "exec1", free=200, used=250, longest=50))
-    assert not instances_from(draining, "m")[0].accepting and split_policy(draining, [], config) == []
+    assert not instances_from(draining, "m")[0].accepting and splits(draining, config.split_free_fraction) == []
     free = state(*merged("exec0", "exec1", free=300, used=150, longest=50))
-    [command] = split_policy(free, [], config)
+    [command] = splits(free, config.split_free_fraction)
     assert command.executor == "exec0" and command.args == TpSplitArgs(instance="tp-exec0-exec1")
     assert command.inputs == {"longest_blocks": 50, "alone_blocks": 100, "blocks_free": 300, "blocks": 450}
-    assert split_policy(free, [], ControllerConfig(split_free_fraction=0.9)) == []
+    assert splits(free, 0.9) == []
 
 
 def test_merge_refusals_are_read_from_the_cluster_state():

@@ -7,19 +7,19 @@ The merges themselves are the gateway's (services/gateway/tp_merges.py): a reque
 """
 
 from services.controller.policies.interface import PlannedCommand
-from shared.config import ControllerConfig
 from shared.messages import ClusterState, TpSplitArgs
 from shared.tp_scheduler import capacity, instances_from, split_due
 
 
-def split_policy(state: ClusterState, earlier: list[ClusterState], config: ControllerConfig) -> list[PlannedCommand]:
+def splits(state: ClusterState, split_free_fraction: float) -> list[PlannedCommand]:
+    """Pure: a split for every merged instance that nothing needs merged any more."""
     planned = []
     holds = {e.executor: e.telemetry.merge_hold_s for e in state.executors}
-    for instance in instances_from(state, None, config.split_free_fraction):
+    for instance in instances_from(state, None, split_free_fraction):
         leader = instance.members[0].executor
         if not instance.merged or holds.get(leader, 0.0) > 0:
             continue
-        if split_due(instance, config.split_free_fraction) != "split":
+        if split_due(instance, split_free_fraction) != "split":
             continue
         total = instance.blocks_free + instance.blocks_used
         alone = min(capacity((m,), instance.kv_heads) for m in instance.members)

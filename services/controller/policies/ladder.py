@@ -1,26 +1,43 @@
-"""The controller's ladder (DESIGN.md, "The controller's ladder"): MorphServe's swaps (morph.py) and
-CoCoServe's operations (cocoserve.py) as one policy, cheapest first, each rung with its own hysteresis.
+"""The controller's ladder (DESIGN.md, "The controller's ladder"): every lever as one policy on one stream of
+cluster states, cheapest first, each rung with its own hysteresis.
 
-Both rungs read their own signals: morph.py the KV and the queue (memory pressure), cocoserve.py the SLO
-violation rate. On an instance both can act on, they are ordered, not merged:
+The rungs, and the lever (`--levers`) each belongs to:
+- quantize: MorphServe's layer swaps (morph.py), on every leader, read from KV usage, queueing delay and the
+  executor's pressure events (a preemption, an admission held for KV pages, a refusal), the last acted on
+  at once;
+- replicate: CoCoServe's scale-down (migrate, evict, cut the batch) and scale-up (replicate onto idle
+  members) on instances of several executors (cocoserve.py), read from the SLO violation rate and vacancy;
+- tp: AMOEBAs. The merge for a request longer than any instance holds is the gateway's, where the request
+  waits (services/gateway/tp_merges.py; `--levers` without tp turns its merges off); the split once
+  nothing needs the merge is this policy's (amoebas.py).
+
+Why this order (docs/controller.md has the measured costs): a quantize of one layer costs one slot copy and
+frees KV at once (tens of milliseconds here) but some quality; a CoCoServe operation costs no quality but
+moves weights and KV between executors and needs an idle peer; a TP merge costs no quality either but
+slows every step of the merged instance (0.48x the tokens of two executors alone on this CPU), so it is
+kept for the one thing nothing else can do, a request that fits no executor. On an instance more than one
+rung could move, they are ordered, not merged:
 - under pressure, quantizing comes first: while morph.py takes the pressure it sees (under pressure, with a
   layer left to quantize), CoCoServe's scale-down waits; it acts when quantizing is exhausted, or when the
   violations come with no memory pressure quantizing would answer;
-- when pressure ends, the reverse: while CoCoServe has steps back to take (a cut batch cap, migrated
-  layers), restores wait;
+- when pressure ends, the reverse, most expensive first: a merged instance splits before its layers are
+  restored (morph.py leaves merged instances alone), and while CoCoServe has steps back to take (a cut batch
+  cap, migrated layers), restores wait;
 - replicating onto idle capacity (CoCoServe's scale-up) is the last rung and needs neither.
 Each rung keeps its own memory; this module only decides, from the state and those memories, which rung may
 move an instance this window. Pure like the rungs: `plan` returns the next memory.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from services.controller.policies import cocoserve, cocoserve_algorithms, morph
+from services.controller.policies import amoebas, cocoserve, cocoserve_algorithms, morph
 from services.controller.policies.interface import PlannedCommand, Policy
-from shared.config import ControllerConfig
+from shared.config import LEVERS, ControllerConfig
 from shared.messages import ClusterState
 from shared.plans import leads
 from shared.speedup import DEFAULT_PROFILE, SpeedupProfile
+
+NO_SWAPS = morph.MorphSettings(mode="off")
 
 
 @dataclass(frozen=True)
@@ -30,22 +47,31 @@ class LadderMemory:
 
 
 def plan(state: ClusterState, memory: LadderMemory, morph_settings: morph.SettingsSource,
-         coco_settings: cocoserve_algorithms.CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE
+         coco_settings: cocoserve_algorithms.CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE,
+         levers: tuple[str, ...] = LEVERS, split_free_fraction: float | None = 0.5
          ) -> tuple[list[PlannedCommand], LadderMemory]:
+    """`split_free_fraction` None: no splits, whatever `levers` says (`--amoebas off`)."""
+    if "quantize" not in levers:
+        morph_settings = NO_SWAPS
+    if "replicate" not in levers:
+        coco_settings = replace(coco_settings, mode="off")
+
     def settings_of(es) -> morph.MorphSettings:
         n = len(es.telemetry.layers)
         return morph_settings(n) if callable(morph_settings) else morph_settings
 
     quantizing = {es.executor for es in state.executors
-                  if es.alive and leads(es) and morph.will_quantize(es, settings_of(es))}
+                  if es.alive and leads(es) and morph.will_quantize(
+                      es, settings_of(es), memory.swaps.executors.get(es.executor, morph.ExecutorMemory()))}
     stepping_back = cocoserve.stepping_back(state, memory.operations)
+    splits = amoebas.splits(state, split_free_fraction) if "tp" in levers and split_free_fraction else []
     coco_commands, coco_memory = cocoserve.plan(state, memory.operations, coco_settings, profile, quantizing)
     morph_commands, morph_memory = morph.plan(state, memory.swaps, morph_settings, stepping_back)
-    return morph_commands + coco_commands, LadderMemory(morph_memory, coco_memory)
+    return splits + morph_commands + coco_commands, LadderMemory(morph_memory, coco_memory)
 
 
 def make_policy(profile: SpeedupProfile | None = None) -> Policy:
-    """The controller-facing policy: modes and overrides are read from ControllerConfig at each window."""
+    """The controller-facing policy: modes, levers and overrides are read from ControllerConfig at each window."""
     memory = LadderMemory()
     costs = profile or DEFAULT_PROFILE
 
@@ -53,7 +79,8 @@ def make_policy(profile: SpeedupProfile | None = None) -> Policy:
                       config: ControllerConfig) -> list[PlannedCommand]:
         nonlocal memory
         commands, memory = plan(state, memory, lambda n: morph.settings_for_config(config, n),
-                                cocoserve_algorithms.settings_for_config(config), costs)
+                                cocoserve_algorithms.settings_for_config(config), costs, config.levers,
+                                config.split_free_fraction if config.amoebas else None)
         return commands
 
     return ladder_policy

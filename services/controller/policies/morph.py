@@ -18,7 +18,9 @@ closure; the controller's history is not replayed because the memory is that his
 
 Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s, or
 requests wait that cannot be admitted (the queue is full, or the free KV would not hold one
-sequence of max_model_len). Calm, and the release test, both about the next restore: nothing
+sequence of max_model_len); and *urgent* pressure, which steps up at once instead of after enter_windows:
+pressure events the executor counted since the last report planned on (a preemption, an admission held
+for KV pages, a refusal for a full queue). Calm, and the release test, both about the next restore: nothing
 waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
 with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks
 are measured against the capacity *after* the restore because a fixed fraction of the enlarged
@@ -171,6 +173,8 @@ def next_restore(layers: list[int], settings: MorphSettings, reported: list[int]
 class ExecutorMemory:
     hysteresis: HysteresisState = HysteresisState()
     freed_pages: dict[int, float] = field(default_factory=dict)  # bits -> KV pages one layer freed
+    # (process instance, pressure_events) of the last report planned on: growth since is urgent pressure.
+    pressure_seen: tuple[str, int] = ("", 0)
 
 
 @dataclass(frozen=True)
@@ -220,11 +224,18 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
             and es.kv_usage * capacity + t.pages_growth <= settings.kv_low * after)
 
 
-def will_quantize(es: ExecutorState, settings: MorphSettings) -> bool:
+def urgent(es: ExecutorState, memory: ExecutorMemory) -> bool:
+    """Whether the executor counted pressure events (preemptions, admissions waiting for KV, refusals) since
+    the report last planned on: hard evidence, acted on at once (hysteresis.advance's `urgent`)."""
+    instance, count = memory.pressure_seen
+    return es.telemetry.pressure_events > (count if instance == es.telemetry.instance else 0)
+
+
+def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMemory | None = None) -> bool:
     """Whether this rung takes the pressure it sees now: under pressure, with a layer left to quantize."""
     t = es.telemetry
-    return (settings.mode != "off" and next_quantize(t.layers, settings, t.swap_order) is not None
-            and under_pressure(es, settings))
+    pressed = under_pressure(es, settings) or (memory is not None and urgent(es, memory))
+    return settings.mode != "off" and next_quantize(t.layers, settings, t.swap_order) is not None and pressed
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
@@ -239,6 +250,7 @@ def load_inputs(es: ExecutorState, taken_back: int) -> dict:
     """The same signals by name, for the audit event's inputs."""
     t = es.telemetry
     return {"kv_usage": es.kv_usage, "queue_delay_s": es.queue_delay_s, "waiting": t.waiting,
+            "pressure_events": t.pressure_events,
             "pages_free": t.kv.pages_free, "pages_used": t.kv.pages_used, "pages_growth": t.pages_growth,
             "pages_extension": t.kv.pages_extension, "pages_taken_back": taken_back}
 
@@ -250,27 +262,31 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
                    hold_restore: bool = False) -> tuple[list[PlannedCommand], ExecutorMemory]:
     t = es.telemetry
     freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
+    seen = (t.instance, t.pressure_events)
     if not es.alive or t.draining:
         # A skipped window breaks both runs; the time of the last step still counts for the dwell.
         quiet = replace(memory.hysteresis, pressure_windows=0, calm_windows=0)
-        return [], ExecutorMemory(quiet, freed)
+        return [], ExecutorMemory(quiet, freed, seen)
     up = next_quantize(t.layers, settings, t.swap_order)
     down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.
-    pressure = up is not None and under_pressure(es, settings)
+    events = urgent(es, memory)
+    pressure = up is not None and (under_pressure(es, settings) or events)
     taken_back = pages_taken_back(freed, t.layers, t.kv.pages_extension, down) if down else 0
     calm = bool(down) and release_ok(es, settings, taken_back)
-    event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now)
+    event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now, urgent=events)
     commands = []
     if event == "enter" and up is not None:
-        why = f"pressure for {settings.enter_windows} windows: {load_summary(es, settings)}"
+        held = (f"{t.preemptions} preemptions, {t.admission_blocked} admissions held for KV and {t.rejected} "
+                f"refusals so far, more since the last state" if events else f"for {settings.enter_windows} windows")
+        why = f"pressure {held}: {load_summary(es, settings)}"
         commands.append(PlannedCommand(es.executor, QuantizeArgs(layers=up[0], bits=up[1]), why,
                                        load_inputs(es, 0)))
     elif event == "leave":
         why = f"calm for {settings.leave_windows} windows: {load_summary(es, settings)}"
         commands.append(PlannedCommand(es.executor, RestoreArgs(layers=down), why, load_inputs(es, taken_back)))
-    return commands, ExecutorMemory(hysteresis, freed)
+    return commands, ExecutorMemory(hysteresis, freed, seen)
 
 
 def plan(state: ClusterState, memory: MorphMemory, settings: SettingsSource,

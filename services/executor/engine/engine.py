@@ -54,6 +54,7 @@ class EngineStats:
     running: int
     waiting: int
     preemptions: int
+    admission_blocked: int  # steps in which the queue's head waited for KV pages alone
     prompt_tokens: int  # prefill tokens computed, recomputation included
     generated_tokens: int
     steps: int
@@ -404,7 +405,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         ledger = self.arena.ledger.snapshot() if self.member is None else self.member.snapshot()
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           preemptions=self.scheduler.num_preemptions, ledger=ledger, **self._counts)
+                           preemptions=self.scheduler.num_preemptions,
+                           admission_blocked=self.scheduler.num_admission_blocked, ledger=ledger, **self._counts)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingOptions | list[SamplingOptions]
                  ) -> list[Completion]:

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_admission_blocked = 0  # steps in which the head of the queue waited for KV pages alone
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -109,6 +110,7 @@ class Scheduler:
                 break
             length = min(seq.num_uncomputed, budget, self.blocks.tokens_that_fit(seq))
             if length <= 0:
+                self.num_admission_blocked += 1  # a slot and budget wait, the pages do not: memory pressure
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

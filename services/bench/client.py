@@ -5,7 +5,16 @@ ones before it (open loop: a slow server gets more concurrent requests, as in pr
 a client that politely waits). A request is one streaming `/v1/completions` call with the prompt as
 token ids, so that it is exactly as long as the trace says, `max_tokens` set to the trace's output
 and `ignore_eos`, so that it generates exactly that many. The client records when it sent the
-request, the time of every streamed chunk and any error; it decides nothing from them.
+request, the time of every streamed chunk, the tokens it was served and any error; it decides nothing
+from them.
+
+The tokens come from `"logprobs": 0`: every streamed completions chunk then carries
+`choices[0]["logprobs"]` = {"tokens": [...], "token_logprobs": [...], "top_logprobs": [...],
+"text_offset": [...]} for the tokens of that engine step, each token as its own text decoded alone
+(special tokens kept). They are read from there, not from `text`, because the gateway holds text
+back (half a UTF-8 character, a possible stop string) but never a token's logprob entry: a chunk
+whose `text` is "" still has its token. Token ids are not in OpenAI's completions format, so two
+tokens compare by their text (bench.agreement says what that implies).
 
 While the trace plays, `poll_cluster` samples `GET /v1/cluster` for the executors' KV pages, layer
 bits and preemptions: the timeline that the metrics and plots put beside the requests.
@@ -19,6 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from services.bench.prompts import PromptPool
 from services.bench.trace import TraceRequest
 
 CLUSTER_POLL_S = 0.25
@@ -35,6 +45,8 @@ class RequestRecord:
     completion_tokens: int = 0  # as reported by the server's usage
     done_s: float | None = None
     error: str | None = None
+    tokens: list[str] = field(default_factory=list)  # the generated tokens, each as its own text
+    token_logprobs: list[float] = field(default_factory=list)  # the served model's log-prob of each
 
     @property
     def ok(self) -> bool:
@@ -69,9 +81,32 @@ def tokenize(client: httpx.Client, url: str, model: str, text: str) -> list[int]
     return response.json()["tokens"]
 
 
+def tokenized_prompts(client: httpx.Client, url: str, model: str, seed: int, texts: list[str],
+                      requests: list[TraceRequest]) -> list[list[int]]:
+    """A real prompt of exactly the trace's length for every request, in the served model's own token
+    ids: the served system's /tokenize does the encoding, so the bench needs no model of its own."""
+    pool = PromptPool(texts, lambda text: tokenize(client, url, model, text), seed)
+    return [pool.take(r.prompt_tokens) for r in requests]
+
+
 def request_body(model: str, req: TraceRequest, prompt: list[int]) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def read_chunk(chunk: dict, record: RequestRecord, now: float) -> None:
+    """Record one parsed SSE chunk of the stream, arrived `now` seconds after the replay started; an
+    error chunk sets `record.error`, which ends the stream."""
+    if "error" in chunk:
+        record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+        return
+    if chunk.get("usage"):
+        record.completion_tokens = chunk["usage"]["completion_tokens"]
+    if chunk.get("choices"):  # one per engine step, even when its text is held back (half a character)
+        record.chunk_s.append(now)
+        logprobs = chunk["choices"][0]["logprobs"]
+        record.tokens += logprobs["tokens"]
+        record.token_logprobs += logprobs["token_logprobs"]
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord, t0: float) -> None:
@@ -90,14 +125,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             payload = line[len("data: "):]
             if payload == "[DONE]":
                 break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+            read_chunk(json.loads(payload), record, time.monotonic() - t0)
+            if record.error:
                 return
-            if chunk.get("usage"):
-                record.completion_tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):  # one per engine step, even when its text is held back (half a character)
-                record.chunk_s.append(time.monotonic() - t0)
     if record.completion_tokens != record.output_tokens:
         record.error = f"generated {record.completion_tokens} of the {record.output_tokens} tokens asked for"
     else:
@@ -108,7 +138,8 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: Requ
     record.sent_s = time.monotonic() - t0
     try:
         await _stream(client, url, body, record, t0)
-    except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError) as e:  # ValueError: a chunk that is not JSON
+    # ValueError: a chunk that is not JSON; KeyError, TypeError: a chunk of another shape (logprobs null)
+    except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError, TypeError) as e:
         record.error = f"{type(e).__name__}: {e}"
 
 

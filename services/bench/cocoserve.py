@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from services.bench.client import replay, served_model
+from services.bench.client import replay, served_model, tokenized_prompts
 from services.bench.metrics import percentile, summarize
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, tokenized_prompts
+from services.bench.system import UpProcess
 from shared.provenance import provenance
 from services.bench.trace import TraceRequest
 from shared.config import PROJECT_ROOT, data_dir
@@ -67,7 +67,8 @@ def poisson_requests(rate: float, duration: float, prompt_tokens: int, output_to
 
 def up_command(args, config: str, port: int, log_dir: Path) -> list[str]:
     return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--executors", "2",
-            "--levers", "replicate", "--plan", str(args.plan), "--memory-budget", args.memory_budget, "--max-model-len", "512",
+            "--levers", "replicate", "--plan", str(args.plan), "--memory-budget", args.memory_budget,
+            "--max-model-len", "512",
             "--cocoserve", CONFIGS[config], "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
             "--log-dir", str(log_dir), "--timeout", str(args.startup_timeout)]
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from services.bench.client import ClusterSample, RequestRecord, replay, served_model
+from services.bench.client import ClusterSample, RequestRecord, replay, served_model, tokenized_prompts
 from services.bench.metrics import percentile
 from services.bench.prompts import read_texts
-from services.bench.run import UpProcess, tokenized_prompts
+from services.bench.system import UpProcess
 from shared.provenance import provenance
 from services.bench.trace import TraceRequest
 from shared.config import data_dir

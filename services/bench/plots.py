@@ -1,4 +1,5 @@
-"""The pictures of a `morphling bench` run: a timeline per mode and one TTFT CDF with every mode.
+"""The pictures of a `morphling bench` run: a timeline per mode and window, and one TTFT CDF with every mode
+(its windows pooled).
 
 Both read only what results.json holds, so a run can be re-plotted from its JSON.
 """
@@ -13,8 +14,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from services.bench.trace import arrival_rate  # noqa: E402
 
 
+ACTION_COLORS = {"quantize": "tab:green", "restore": "tab:olive", "replicate": "tab:cyan", "migrate": "tab:pink",
+                 "evict": "tab:gray", "batch": "tab:red", "tp_merge": "tab:blue", "tp_split": "tab:purple"}
+
+
 def plot_timeline(mode: str, result: dict, slo_ttft_s: float, path: Path) -> Path:
-    """Arrival rate, KV capacity and use, quantized layers and each request's TTFT, on one time axis."""
+    """Arrival rate, KV capacity and use, quantized layers with the controller's actions marked, and each
+    request's TTFT, on one time axis."""
     line = result["timeline"]
     reqs = result["requests"]
     last_arrival = max((r["scheduled_s"] for r in reqs), default=0.0)
@@ -36,6 +42,10 @@ def plot_timeline(mode: str, result: dict, slo_ttft_s: float, path: Path) -> Pat
     quantized = [a + b for a, b in zip(line.get("int8_layers", []), line.get("int4_layers", []))]
     layer_ax.set_ylim(0, max([1, *quantized]) * 1.1)
     layer_ax.set_ylabel("quantized layers")
+    for kind in sorted({a["kind"] for a in result.get("actions", [])}):
+        times = [a["t"] for a in result["actions"] if a["kind"] == kind]
+        layer_ax.vlines(times, 0, 1, transform=layer_ax.get_xaxis_transform(), linewidth=1, linestyles=":",
+                        color=ACTION_COLORS.get(kind, "tab:brown"), label=f"{kind} ({len(times)})")
     layer_ax.legend(loc="upper left", fontsize=8)
 
     served = [r for r in reqs if r["ttft_s"] is not None]

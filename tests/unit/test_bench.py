@@ -13,9 +13,15 @@ from services.bench.metrics import percentile, precision_share, preemptions, sum
 from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.prompts import PromptPool, fit, read_texts
 from services.bench.quality import PerplexityTable, quality
-from services.bench.run import comparison, mode_result, parse_args
+from services.bench.events import actions, reaction
+from services.bench.modes import MODES, ModeError, up_args
+from services.bench.report import add_quality, comparison, mode_summary, window_result
+from services.bench.run import parse_args
+from services.bench.suite import Replay
 from services.bench.trace import TraceError, arrival_rate, load_trace, read_rows, scale_lengths
-from shared.config import data_dir
+from shared.config import data_dir, parse_size
+from shared.messages import Event
+from shared.plans import read_plan_file
 
 AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
          "2023-11-16 18:15:46.6805900,374,44\r\n"
@@ -69,14 +75,6 @@ def test_bad_traces_and_windows_fail_with_the_reason(tmp_path, text, args, messa
 def test_scaled_lengths_always_fit_the_context(prompt, output, scale, max_len):
     p, o = scale_lengths(prompt, output, scale, max_len)
     assert p >= 1 and o >= 1 and p + o <= max_len and o <= max(1, max_len // 2)
-
-
-def test_the_default_window_is_calm_then_a_burst_then_calm():
-    a = parse_args(["--data", str(data_dir())])
-    reqs = load_trace(data_dir() / "traces" / a.trace.name, a.start, a.duration, a.rate_scale, a.len_scale, a.max_len)
-    rates = arrival_rate([r.arrival_s for r in reqs], 20.0, 100.0)
-    assert len(reqs) == 60 and rates[2] > 2 * max(rates[0], rates[-1])
-    assert all(r.prompt_tokens + r.output_tokens <= a.max_len for r in reqs)
 
 
 def test_prompts_are_real_text_of_the_exact_length():
@@ -167,27 +165,76 @@ def test_perplexity_lookup_reads_interpolates_and_estimates(tmp_path):
     assert PerplexityTable.load(tmp_path / "missing.json") is None
 
 
-def test_results_compare_with_fp16_and_plot(tmp_path):
-    args = parse_args(["--slo-ttft", "1.0"])
+def played(records, samples, elapsed=8.0):
+    return Replay([], records, samples, elapsed, 1000.0)
+
+
+def test_modes_are_summed_over_windows_compared_with_fp16_window_by_window_and_plotted(tmp_path):
     samples = [ClusterSample(0.0, [executor([16] * 4)]), ClusterSample(1.5, [executor([8, 8, 16, 16], extension=30)])]
-    slow = mode_result([record(0, 0.0, 2.0, 5), record(1, 1.0, 4.0, 5), record(2, 2.0, None, 3, "failed")],
-                       samples[:1], 8.0, args, None)
-    fast = mode_result([record(0, 0.0, 0.5, 5), record(1, 1.0, 1.0, 5), record(2, 2.0, 2.0, 3)], samples, 6.0,
-                       args, None)
-    assert [r["error"] is None for r in slow["requests"]] == [True, True, False]
-    c = comparison({"fp16": slow, "morph": fast})["morph"]
-    assert c["ttft_p95_x_better_than_fp16"] == pytest.approx(slow["ttft_p95"] / fast["ttft_p95"])
-    assert slow["slo_violation_pct"] == 100 and c["slo_violations_fewer_pct"] == pytest.approx(100 - 100 / 3)
-    for mode, result in (("fp16", slow), ("morph", fast)):
-        assert plot_timeline(mode, result, 1.0, tmp_path / f"{mode}.png").stat().st_size > 10_000
-    assert plot_ttft_cdf({"fp16": slow, "morph": fast}, 1.0, tmp_path / "cdf.png").stat().st_size > 10_000
+    slow = [record(0, 0.0, 2.0, 5), record(1, 1.0, 4.0, 5), record(2, 2.0, None, 3, "failed")]
+    fast = [record(0, 0.0, 0.5, 5), record(1, 1.0, 1.0, 5), record(2, 2.0, 2.0, 3)]
+    replays = {"fp16": {"w1": played(slow, samples[:1]), "w2": played(fast, samples[:1])},
+               "morph": {"w1": played(fast, samples), "w2": played(fast, samples)}}
+    results = {mode: {name: window_result(r, [{"t": 1.0, "kind": "quantize"}], {"decided_after_s": 0.2,
+                                                                              "applied_after_s": 0.5}, 1.0, None, "m")
+                      for name, r in ws.items()} for mode, ws in replays.items()}
+    add_quality(results, replays)
+    modes = {mode: mode_summary(ws) for mode, ws in results.items()}
+    base, morph = modes["fp16"], modes["morph"]
+    assert base["windows"]["w1"]["slo_violation_pct"] == 100 and base["windows"]["w2"]["slo_violation_pct"] < 100
+    assert base["slo_violation_pct"] == pytest.approx((100 + base["windows"]["w2"]["slo_violation_pct"]) / 2)
+    assert base["spread"]["slo_violation_pct"] == [base["windows"]["w2"]["slo_violation_pct"], 100]
+    assert morph["reaction"]["decided_after_s"] == pytest.approx(0.2) and morph["actions"] == 2
+    c = comparison(modes)["morph"]
+    w1 = base["windows"]["w1"]["ttft_p95"] / morph["windows"]["w1"]["ttft_p95"]
+    assert c["ttft_p95_x_spread"] == [pytest.approx(1.0), pytest.approx(w1)]  # w2 served the same in both
+    assert c["ttft_p95_x_better_than_fp16"] == pytest.approx((w1 + 1) / 2)
+    assert plot_timeline("morph w1", results["morph"]["w1"], 1.0, tmp_path / "t.png").stat().st_size > 10_000
+    pooled = {m: {"requests": [r for w in ws.values() for r in w["requests"]]} for m, ws in results.items()}
+    assert plot_ttft_cdf(pooled, 1.0, tmp_path / "cdf.png").stat().st_size > 10_000
+
+
+def test_every_mode_gets_the_same_total_memory_and_only_its_levers(tmp_path):
+    total = 2 * parse_size("1GiB")
+    for name, mode in MODES.items():
+        flags = up_args(mode, 2, "1GiB", "accuracy", "default", tmp_path)
+        value = dict(zip(flags[::2], flags[1::2]))
+        assert int(value["--executors"]) * int(value["--memory-budget"]) == total
+        assert value["--levers"] == (",".join(mode.levers) or "none")
+        assert value["--mode"] == ("accuracy" if mode.levers else "off")
+    one = dict(zip(*[iter(up_args(MODES["cocoserve"], 1, "1GiB", "accuracy", "default", tmp_path))] * 2))
+    assert one["--executors"] == "2" and int(one["--memory-budget"]) == parse_size("1GiB") // 2
+    plans = read_plan_file(one["--plan"], ["exec0", "exec1"], 30)
+    assert [p.members for p in plans] == [["exec0", "exec1"]] and all(
+        layer.placement == ["exec0"] for layer in plans[0].layers)
+    with pytest.raises(ModeError, match="even number"):
+        up_args(MODES["cocoserve"], 3, "1GiB", "accuracy", "default", tmp_path)
+
+
+def test_reaction_runs_from_the_first_pressure_event_to_the_first_quantize_after_it():
+    def command(t, kind, latency, ok=True):
+        return Event(kind="command", source="ctl0", time=t, data={"executor": "exec0", "kind": kind, "ok": ok,
+                                                                  "latency_s": latency, "reason": "why"})
+
+    stream = [command(1000.5, "quantize", 0.1), Event(kind="pressure", source="exec0", time=1002.0),
+              Event(kind="pressure", source="exec0", time=1003.0), command(1002.9, "quantize", 0.6),
+              command(1004.0, "restore", 0.2), Event(kind="executor_up", source="monitor", time=1004.5)]
+    assert [a["kind"] for a in actions(stream, 1000.0)] == ["quantize", "quantize", "restore"]
+    assert actions(stream, 1000.0)[1]["decided_t"] == pytest.approx(2.3)
+    r = reaction(stream, 1000.0)
+    assert r["pressure_events"] == 2 and r["first_pressure_s"] == 2.0
+    assert r["decided_after_s"] == pytest.approx(0.3) and r["applied_after_s"] == pytest.approx(0.9)
+    assert reaction(stream[:3], 1000.0)["decided_after_s"] is None  # none after the first pressure
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "fp16,bf17"], "--modes takes"),
     (["--modes", "fp16,fp16"], "twice"),
-    (["--url", "http://x", "--modes", "a,b"], "exactly one"),
-    (["--rate-scale", "0"], "--rate-scale must be positive"),
+    (["--modes", "morph,ladder"], "add fp16 to --modes, or give --rate-scale"),
+    (["--url", "http://x", "--modes", "fp16,morph"], "exactly one"),
+    (["--rate-scale", "0"], "--rate-scale and --executors must be positive"),
+    (["--executors", "3"], "even number"),
+    (["--busy", "1", "--window-s", "0"], "--window-s must be positive"),
     (["--memory-budget", "lots"], "size"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):

@@ -1,0 +1,134 @@
+"""One `morphling bench` run: the baseline's capacity, then every mode over the same trace windows.
+
+1. Capacity. The full-precision system (mode fp16) is driven at steady Poisson load with the trace's length
+   mix (capacity.py), rate by rate, until the rate at which its P95 TTFT crosses the SLO is bracketed; the
+   trace is then played at the rate scale that puts its median (ordinary) rate at that capacity, so its
+   bursts go above it as far as the trace's own bursts go above its median (windows.rate_scale_for).
+2. Windows. The k busiest and k most ordinary windows of the trace by arrival count (windows.pick_windows):
+   no window is picked by hand, and a reader can recompute the pick from the trace.
+3. Modes. One system per mode (modes.py), started as `morphling up` starts it; every window is replayed
+   against it in turn, open loop, with the same requests and prompts in every mode, `rest_s` apart so that the
+   controller is back at rest (full precision, no replicas, no merges) before the next one.
+
+Each (mode, window) gives the metrics of metrics.summarize, the controller's actions and its reaction time
+from the event stream (events.py), and the tokens served, which report.py compares with fp16's.
+"""
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from services.bench import events as bench_events
+from services.bench.capacity import Probe, search, steady_load
+from services.bench.client import ClusterSample, RequestRecord, replay, served_model, tokenize
+from services.bench.metrics import percentile, timeline
+from services.bench.modes import MODES, up_args
+from services.bench.prompts import PromptPool
+from services.bench.system import Endpoints, started
+from services.bench.trace import TraceRequest, TraceRow
+from services.bench.windows import Window, median_rate, rate_scale_for, requests_in
+from shared.net import free_port
+
+
+@dataclass
+class Replay:
+    requests: list[TraceRequest]
+    records: list[RequestRecord]
+    samples: list[ClusterSample]
+    elapsed_s: float
+    wall_t0: float  # epoch seconds at the replay's start: the event stream's clock
+
+
+def up_command(args, mode: str, port: int, log_dir) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", args.model,
+            "--device", args.device, "--max-model-len", str(args.max_len), "--log-dir", str(log_dir),
+            "--timeout", str(args.startup_timeout),
+            *up_args(MODES[mode], args.executors, args.memory_budget, args.morph_mode, args.model, args.out / "plans")]
+
+
+def play(url: str, model: str, requests: list[TraceRequest], prompts: list[list[int]], args, label: str) -> Replay:
+    from tqdm import tqdm
+
+    with tqdm(total=len(requests), desc=f"{label:>22}", unit="req", dynamic_ncols=True, file=sys.stderr) as bar:
+        def sampled(sample: ClusterSample) -> None:
+            line = timeline([sample])
+            if line:
+                bar.set_postfix_str(f"KV {line['kv_used_tokens'][0]}/{line['kv_capacity_tokens'][0]}, INT8 "
+                                    f"{line['int8_layers'][0]} INT4 {line['int4_layers'][0]}, waiting "
+                                    f"{line['waiting'][0]}", refresh=False)
+
+        wall_t0 = time.time()
+        records, samples, elapsed = asyncio.run(replay(url, model, requests, prompts, args.drain_timeout,
+                                                       args.api_key, lambda _: bar.update(1), sampled))
+    return Replay(requests, records, samples, elapsed, wall_t0)
+
+
+def measure_capacity(url: str, model: str, pool: PromptPool, rows: list[TraceRow], args) -> dict:
+    """The fp16 system's capacity: the steady rate at which its P95 TTFT crosses the SLO."""
+    def measure(rate: float) -> Probe:
+        load = steady_load(rows, rate, args.probe_s, args.len_scale, args.max_len, args.seed)
+        played = play(url, model, load, [pool.take(r.prompt_tokens) for r in load], args, f"capacity {rate:.2f}/s")
+        time.sleep(args.rest_s)
+        ttfts = [r.ttft_s for r in played.records if r.ttft_s is not None]
+        return Probe(rate, percentile(ttfts, 95), sum(not r.ok for r in played.records), len(played.records))
+
+    capacity, probes = search(measure, args.probe_start, args.slo_ttft)
+    return {"capacity_rps": capacity, "probe_s": args.probe_s, "slo_ttft_s": args.slo_ttft,
+            "probes": [vars(p) | {"meets_slo": p.meets(args.slo_ttft)} for p in probes]}
+
+
+@contextmanager
+def system_for(mode: str, args) -> Iterator[Endpoints]:
+    """The system to bench `mode` on: --url's, or a `morphling up` started for it and stopped after."""
+    if args.url:
+        yield Endpoints(args.url.rstrip("/"), None)
+        return
+    log_dir = args.out / "logs" / mode
+    with started(up_command(args, mode, free_port(), log_dir), log_dir, args.startup_timeout, mode) as system:
+        yield system
+
+
+def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> tuple[dict, dict, dict]:
+    """(capacity, the requests of each window, results by mode then window); each result holds a Replay."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    capacity: dict = {"rate_scale": args.rate_scale, "given": args.rate_scale is not None}
+    workload: dict[str, tuple[list[TraceRequest], list[list[int]]]] = {}
+    results: dict[str, dict[str, Replay | dict]] = {}
+    for mode in args.modes:
+        with system_for(mode, args) as system, httpx.Client(headers=headers, timeout=30) as client:
+            model = served_model(client, system.url)
+            if not workload:  # the first system tokenizes every prompt, for every mode alike
+                pool = PromptPool(texts, lambda text: tokenize(client, system.url, model, text), args.seed)
+                if args.rate_scale is None:
+                    capacity |= measure_capacity(system.url, model, pool, rows, args)
+                    capacity["rate_scale"] = rate_scale_for(capacity["capacity_rps"], median_rate(rows, args.window_s),
+                                                            args.load)
+                capacity["ordinary_rps"] = median_rate(rows, args.window_s)
+                for w in windows:
+                    reqs = requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len)
+                    workload[w.name] = (reqs, [pool.take(r.prompt_tokens) for r in reqs])
+            results[mode] = run_windows(system, model, windows, workload, args, mode)
+    return capacity, workload, results
+
+
+def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, mode: str) -> dict:
+    out = {}
+    started_at = time.time()
+    for i, w in enumerate(windows):
+        if i:
+            time.sleep(args.rest_s)
+        requests, prompts = workload[w.name]
+        out[w.name] = play(system.url, model, requests, prompts, args, f"{mode} {w.name}")
+    stream = bench_events.read_events(system.nats_url, started_at - 1.0)
+    for w in windows:
+        played = out[w.name]
+        end = played.wall_t0 + played.elapsed_s
+        mine = [e for e in stream if played.wall_t0 - 1.0 <= e.time <= end]
+        out[w.name] = {"replay": played, "actions": bench_events.actions(mine, played.wall_t0),
+                       "reaction": bench_events.reaction(mine, played.wall_t0)}
+    return out

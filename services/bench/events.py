@@ -3,7 +3,9 @@ timelines) and how soon it reacted to the first sign of pressure.
 
 The executors publish a `pressure` event when a step preempts, holds the head of the queue for KV pages, or
 follows a refusal for a full queue (at most one a second each); the controller's commands are `command`
-events, stamped when their answer came, with the seconds the command took (`latency_s`). The reaction is
+events, stamped when their answer came, with the seconds the command took (`latency_s`, from sending it to
+its answer, a wait for the executor's next step boundary included) and, where the executor reports it, the
+seconds of the work itself (`work_s`: a swap's copy). The reaction is
 measured from the first pressure event of the replay to the moment the controller decided its first
 quantize (the event's time less its latency) and to the moment that quantize was applied (the event's time):
 the wake-up this project promises is the former, under one second on this CPU (issue 16).
@@ -47,7 +49,8 @@ def actions(events: list[Event], wall_t0: float) -> list[dict]:
         d = e.data
         out.append({"t": round(e.time - wall_t0, 3), "decided_t": round(e.time - d.get("latency_s", 0.0) - wall_t0, 3),
                     "executor": d.get("executor"), "kind": d.get("kind"), "args": d.get("args"), "ok": d.get("ok"),
-                    "latency_s": d.get("latency_s"), "reason": d.get("reason", "")})
+                    "latency_s": d.get("latency_s"), "work_s": (d.get("state") or {}).get("seconds"),
+                    "reason": d.get("reason", "")})
     return sorted(out, key=lambda a: a["t"])
 
 

@@ -10,7 +10,7 @@ every mode replays every window; quality is measured on the tokens each mode ser
     morph              MorphServe's lever alone: quantize under pressure, restore after
     cocoserve          CoCoServe's alone: replicate onto an idle executor, migrate, evict, cut the batch
     amoebas            AMOEBAs' alone: merge executors into a TP instance for a request none holds, split after
-    ladder             every lever, as `morphling up` runs by default
+    ladder             every lever on one event stream, the controller `morphling up` runs by default
 
 It prints the capacity measurement, then one table (each mode's mean over the windows, with the range), and
 writes `results.json`, a TTFT CDF and a timeline per mode and window (the controller's actions marked) into

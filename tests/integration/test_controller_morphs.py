@@ -146,7 +146,9 @@ def test_a_burst_quantizes_layers_and_the_lull_restores_them(morphing, morphling
     # The controller climbs the executor's own LIS order and says why it acted.
     first = commands[0]["args"]["layers"]
     assert first == start["swap_order"][:len(first)], (first, start["swap_order"])
-    assert all("windows: KV" in d["reason"] for d in commands), [d["reason"] for d in commands]
+    # A quantize comes after a run of windows or at once on pressure events; either way the reason has the load.
+    assert all(("windows: KV" in d["reason"] or "more since the last state: KV" in d["reason"]) for d in commands), \
+        [d["reason"] for d in commands]
     wall_start = time.time() - (time.monotonic() - burst_start)
     print("commands (s after the burst began):",
           [(round(e.time - wall_start, 1), e.data["kind"], e.data["args"], f"{e.data['latency_s']:.2f} s")

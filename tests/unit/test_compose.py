@@ -83,7 +83,8 @@ def test_the_slos_and_the_controllers_levers_are_settable_from_the_environment(c
                       ("--slo-window", "MORPHLING_SLO_WINDOW")]:
         assert f"{flag} ${{{var}:-" in commands["monitor"]
     assert "--mode ${MORPHLING_MODE:-default}" in commands["controller"]
-    assert "--cocoserve ${MORPHLING_COCOSERVE:-off}" in commands["controller"]
+    assert "--cocoserve ${MORPHLING_COCOSERVE:-default}" in commands["controller"]
+    assert "--levers ${MORPHLING_LEVERS:-quantize,replicate,tp}" in commands["controller"]
 
 
 def test_nats_config_has_a_user_per_service(compose, nats_conf):

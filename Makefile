@@ -31,7 +31,7 @@ test: install-test
 up: install
 	$(VENV)/bin/morphling up --port $(PORT)
 
-# The bursty-trace benchmark: full precision vs static INT4 vs morphing, each a whole system (~7 min on CPU).
+# The bursty-trace benchmark: every mode against full precision at the default budget, each a whole system (~1 h on CPU).
 bench: install
 	$(VENV)/bin/morphling bench --out bench-results
 

@@ -38,9 +38,10 @@ class System:
     def start(self, timeout: float = 240) -> "System":
         self.nats.start()
         self.spawn("monitor", "monitor", "--nats", self.nats.url)
-        # Morphing stays off unless a test asks for it (a later --mode wins): the tests of serving and
-        # of faults expect the layers they started with.
-        self.spawn("controller", "controller", "--nats", self.nats.url, "--mode", "off", *self.controller_args)
+        # Morphing stays off unless a test asks for it (a later --mode or --cocoserve wins): the tests of serving
+        # and of faults expect the layers and placements they started with.
+        self.spawn("controller", "controller", "--nats", self.nats.url, "--mode", "off", "--cocoserve", "off",
+                   *self.controller_args)
         for i in range(self.num_executors):
             self.start_executor(i)
         self.spawn("gateway", "gateway", "--nats", self.nats.url, "--host", "127.0.0.1", "--port", str(self.port),

@@ -23,8 +23,9 @@ TABLE = (("ttft_p50", "TTFT p50", "{:.2f}"), ("ttft_p95", "p95", "{:.2f}"), ("tp
 
 
 def window_result(played, actions: list[dict], reaction: dict, slo_ttft_s: float, table: PerplexityTable | None,
-                  model: str) -> dict:
+                  model: str, rest: dict | None = None) -> dict:
     result = summarize(played.records, played.samples, slo_ttft_s)
+    result["rest"] = rest or {"waited_s": 0.0, "started_at_rest": True}
     result["precision"] = quality(precision_share(played.records, played.samples), table, model)
     result["replay_s"] = played.elapsed_s
     result["actions"] = actions

@@ -61,8 +61,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="each executor's arena, times --executors: every mode's total (default: `morphling up`'s)")
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"),
                     help="the controller's preset where a mode moves anything (default %(default)s)")
-    ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (default %(default)s)")
-    ap.add_argument("--rest-s", type=float, default=30.0, help="seconds between two replays on one system")
+    ap.add_argument("--slo-ttft", type=float, default=2.0,
+                    help="TTFT SLO in seconds: the table's violations, and the system's (default %(default)s)")
+    ap.add_argument("--slo-tpot", type=float, default=0.5,
+                    help="the system's TPOT SLO, which CoCoServe's scale-down reads with the TTFT one; the table "
+                         "counts TTFT and failures only (default %(default)s)")
+    ap.add_argument("--rest-s", type=float, default=10.0, help="seconds of rest between two replays on one system")
+    ap.add_argument("--settle-timeout", type=float, default=180.0,
+                    help="seconds more to wait, after the rest, for the system to be back at rest "
+                         "(default %(default)s)")
     ap.add_argument("--model", default="default", help="as for `morphling up`")
     ap.add_argument("--device", default="cpu", help="as for `morphling up`")
     ap.add_argument("--drain-timeout", type=float, default=90.0,
@@ -86,11 +93,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.modes.sort(key=lambda m: m != "fp16")  # fp16 first: its system measures the capacity
     if args.url and len(args.modes) != 1:
         ap.error("--url benches one running system: give exactly one name in --modes")
-    for name in ("len_scale", "slo_ttft", "drain_timeout", "window_s", "probe_s", "probe_start", "load"):
+    for name in ("len_scale", "slo_ttft", "slo_tpot", "drain_timeout", "window_s", "probe_s", "probe_start", "load"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    if args.rate_scale is not None and args.rate_scale <= 0 or args.executors < 1 or args.rest_s < 0:
-        ap.error("--rate-scale and --executors must be positive, --rest-s not negative")
+    if args.rate_scale is not None and args.rate_scale <= 0 or args.executors < 1 or min(args.rest_s,
+                                                                                          args.settle_timeout) < 0:
+        ap.error("--rate-scale and --executors must be positive, --rest-s and --settle-timeout not negative")
     try:
         parse_size(args.memory_budget)
         for mode in args.modes:
@@ -123,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.slo_ttft:g} s); trace played at x{capacity['rate_scale']:.3f}, its median "
               f"{capacity['ordinary_rps']:.2f} req/s becoming {capacity['ordinary_rps'] * capacity['rate_scale']:.2f}")
 
-    results = {mode: {name: window_result(w["replay"], w["actions"], w["reaction"], args.slo_ttft, table, args.model)
+    results = {mode: {name: window_result(w["replay"], w["actions"], w["reaction"], args.slo_ttft, table, args.model,
+                                          w["rest"])
                       for name, w in windows_of.items()} for mode, windows_of in played.items()}
     add_quality(results, {mode: {name: w["replay"] for name, w in ws.items()} for mode, ws in played.items()})
     modes = {mode: mode_summary(windows_of) for mode, windows_of in results.items()}

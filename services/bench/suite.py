@@ -7,8 +7,10 @@
 2. Windows. The k busiest and k most ordinary windows of the trace by arrival count (windows.pick_windows):
    no window is picked by hand, and a reader can recompute the pick from the trace.
 3. Modes. One system per mode (modes.py), started as `morphling up` starts it; every window is replayed
-   against it in turn, open loop, with the same requests and prompts in every mode, `rest_s` apart so that the
-   controller is back at rest (full precision, no replicas, no merges) before the next one.
+   against it in turn, open loop, with the same requests and prompts in every mode. Between two windows the
+   bench rests `rest_s`, then waits (up to `settle_timeout`) until the cluster is back in the shape it had
+   before the first (full precision, the batch caps, no replicas, migrations or merges): every window starts
+   at rest, and a result says how long that took and whether it got there.
 
 Each (mode, window) gives the metrics of metrics.summarize, the controller's actions and its reaction time
 from the event stream (events.py), and the tokens served, which report.py compares with fp16's.
@@ -47,6 +49,8 @@ class Replay:
 def up_command(args, mode: str, port: int, log_dir) -> list[str]:
     return [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", args.model,
             "--device", args.device, "--max-model-len", str(args.max_len), "--log-dir", str(log_dir),
+            # The system judges its SLOs as the bench does: CoCoServe scales down on what is scored.
+            "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
             "--timeout", str(args.startup_timeout),
             *up_args(MODES[mode], args.executors, args.memory_budget, args.morph_mode, args.model, args.out / "plans")]
 
@@ -116,12 +120,44 @@ def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> 
     return capacity, workload, results
 
 
+def shape(cluster: dict) -> dict:
+    """What the controller can have moved, from GET /v1/cluster: layer bits and batch caps per executor, the
+    instances' members, placements and bits. Equal shapes before two windows mean both started at rest."""
+    return {"executors": sorted((e["id"], tuple(e["layers"]), e["max_num_seqs"]) for e in cluster["executors"]
+                                if e["alive"]),
+            "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(map(str, i["layers"])))
+                                for i in cluster["instances"])}
+
+
+def settle(url: str, headers: dict, at_rest: dict, rest_s: float, timeout_s: float) -> tuple[float, bool]:
+    """Rest `rest_s`, then wait until the cluster's shape is `at_rest` again (up to `timeout_s` more): every
+    window starts from where the first did. Returns (seconds waited, whether it got there)."""
+    start = time.monotonic()
+    time.sleep(rest_s)
+    with httpx.Client(headers=headers, timeout=10) as client:
+        while True:
+            try:
+                if shape(client.get(f"{url}/v1/cluster").json()) == at_rest:
+                    return time.monotonic() - start, True
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # an answer missed under load: ask again
+            if time.monotonic() - start > rest_s + timeout_s:
+                return time.monotonic() - start, False
+            time.sleep(1.0)
+
+
 def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, mode: str) -> dict:
-    out = {}
+    out, rested = {}, {}
     started_at = time.time()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(headers=headers, timeout=30) as client:
+        at_rest = shape(client.get(f"{system.url}/v1/cluster").json())
     for i, w in enumerate(windows):
         if i:
-            time.sleep(args.rest_s)
+            rested[w.name] = settle(system.url, headers, at_rest, args.rest_s, args.settle_timeout)
+            if not rested[w.name][1]:
+                print(f"morphling bench: {mode}: not back at rest {rested[w.name][0]:.0f} s after "
+                      f"{windows[i - 1].name}; {w.name} starts from where it is", file=sys.stderr)
         requests, prompts = workload[w.name]
         out[w.name] = play(system.url, model, requests, prompts, args, f"{mode} {w.name}")
     stream = bench_events.read_events(system.nats_url, started_at - 1.0)
@@ -129,6 +165,8 @@ def run_windows(system: Endpoints, model: str, windows: list[Window], workload: 
         played = out[w.name]
         end = played.wall_t0 + played.elapsed_s
         mine = [e for e in stream if played.wall_t0 - 1.0 <= e.time <= end]
+        waited, settled = rested.get(w.name, (0.0, True))
         out[w.name] = {"replay": played, "actions": bench_events.actions(mine, played.wall_t0),
-                       "reaction": bench_events.reaction(mine, played.wall_t0)}
+                       "reaction": bench_events.reaction(mine, played.wall_t0),
+                       "rest": {"waited_s": round(waited, 1), "started_at_rest": settled}}
     return out

@@ -59,31 +59,39 @@ def check_mode(result: dict, expected_requests: int) -> None:
 
 
 def test_bench_starts_each_mode_and_accounts_for_every_request(tmp_path):
-    start, duration = 26.0, 6.0  # 17 arrivals; 30 s of replay at rate scale 0.2
-    expected = arrivals_in(start, duration)
-    report = bench(tmp_path, "--start", str(start), "--duration", str(duration), "--rate-scale", "0.2",
-                   "--len-scale", "0.05", "--modes", "fp16,int4", "--memory-budget", "480MiB", "--max-len", "512",
-                   "--drain-timeout", "60")
-    assert set(report["modes"]) == {"fp16", "int4"} and report["config"]["requests"] == expected
-    for mode, result in report["modes"].items():
+    # The busiest 3 s window of the trace, played at a fifth of its rate: the rule picks it, the test recounts it.
+    report = bench(tmp_path, "--window-s", "3", "--busy", "1", "--ordinary", "0", "--rate-scale", "0.2",
+                   "--len-scale", "0.05", "--modes", "fp16,int4", "--executors", "1", "--memory-budget", "480MiB",
+                   "--max-len", "512", "--drain-timeout", "60")
+    (window,) = report["windows"]
+    expected = arrivals_in(window["start_s"], window["duration_s"])
+    assert window["kind"] == "busy" and window["requests"] == window["arrivals"] == expected
+    assert set(report["modes"]) == {"fp16", "int4"}
+    for mode, summary in report["modes"].items():
+        result = summary["windows"][window["name"]]
         check_mode(result, expected)
-        assert (tmp_path / f"timeline_{mode}.png").stat().st_size > 10_000
+        assert summary["ttft_p95"] == result["ttft_p95"]  # the mean over one window is that window
+        assert result["rest"]["started_at_rest"] and result["actions"] == []  # static modes move nothing
+        assert (tmp_path / f"timeline_{mode}_{window['name']}.png").stat().st_size > 10_000
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 10_000
-    fp16, int4 = report["modes"]["fp16"], report["modes"]["int4"]
+    fp16, int4 = (report["modes"][m]["windows"][window["name"]] for m in ("fp16", "int4"))
     # the static baselines really ran at their precision, and INT4 layers left room for more KV
     assert fp16["precision"]["full_precision_token_share"] == 1.0
     assert [(m["int8_layers"], m["int4_layers"]) for m in int4["precision"]["mixes"]] == [(0, 30)]
     assert int4["kv_capacity_peak_tokens"] > 2 * fp16["kv_capacity_peak_tokens"]
-    assert int4["precision"]["ppl_token_weighted"] > fp16["precision"]["ppl_token_weighted"]
+    # quality measured on the tokens served: fp16 is the reference, INT4's tokens were compared with it
+    assert fp16["quality"]["prefix_agreement"] == 1.0
+    assert int4["quality"]["requests_compared"] > 0 and 0 <= int4["quality"]["prefix_agreement"] <= 1
     assert "int4" in report["comparison"]
 
 
 def test_bench_drives_a_running_gateway(tmp_path):
     system = System(tmp_path).start()
     try:
-        report = bench(tmp_path / "out", "--url", system.url, "--modes", "live", "--start", "26", "--duration", "3",
-                       "--rate-scale", "0.5", "--len-scale", "0.05", "--max-len", "512")
+        report = bench(tmp_path / "out", "--url", system.url, "--modes", "fp16", "--window-s", "2", "--busy", "1",
+                       "--ordinary", "0", "--rate-scale", "0.5", "--len-scale", "0.05", "--max-len", "512")
     finally:
         system.stop()
-    check_mode(report["modes"]["live"], arrivals_in(26, 3))
-    assert report["comparison"] == {}  # no fp16 run to compare with
+    (window,) = report["windows"]
+    check_mode(report["modes"]["fp16"]["windows"][window["name"]], arrivals_in(window["start_s"], window["duration_s"]))
+    assert report["comparison"] == {}  # nothing to compare with

@@ -17,7 +17,7 @@ from services.bench.events import actions, reaction
 from services.bench.modes import MODES, ModeError, up_args
 from services.bench.report import add_quality, comparison, mode_summary, window_result
 from services.bench.run import parse_args
-from services.bench.suite import Replay
+from services.bench.suite import Replay, shape
 from services.bench.trace import TraceError, load_trace, read_rows, scale_lengths
 from shared.config import data_dir, parse_size
 from shared.messages import Event
@@ -241,3 +241,17 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_window_starts_at_rest_only_when_nothing_the_controller_moved_is_still_moved():
+    def cluster(bits=16, cap=64, placement=("exec0",), alive=True):
+        layers = [{"placement": list(placement), "bits": bits}] * 2
+        return {"executors": [{"id": "exec0", "alive": True, "layers": [bits, 16], "max_num_seqs": cap},
+                              {"id": "exec1", "alive": alive, "layers": [], "max_num_seqs": 0}],
+                "instances": [{"id": "i0", "members": ["exec0", "exec1"], "tp": 1, "layers": layers}]}
+
+    at_rest = shape(cluster())
+    assert shape(cluster(alive=False)) != at_rest  # a member gone is not the same system
+    for moved in (cluster(bits=8), cluster(cap=9), cluster(placement=("exec0", "exec1"))):
+        assert shape(moved) != at_rest
+    assert shape(cluster()) == at_rest

@@ -39,7 +39,6 @@ from shared.net import free_port
 
 @dataclass
 class Replay:
-    requests: list[TraceRequest]
     records: list[RequestRecord]
     samples: list[ClusterSample]
     elapsed_s: float
@@ -69,7 +68,7 @@ def play(url: str, model: str, requests: list[TraceRequest], prompts: list[list[
         wall_t0 = time.time()
         records, samples, elapsed = asyncio.run(replay(url, model, requests, prompts, args.drain_timeout,
                                                        args.api_key, lambda _: bar.update(1), sampled))
-    return Replay(requests, records, samples, elapsed, wall_t0)
+    return Replay(records, samples, elapsed, wall_t0)
 
 
 def measure_capacity(url: str, model: str, pool: PromptPool, rows: list[TraceRow], args) -> dict:

@@ -166,7 +166,7 @@ def test_perplexity_lookup_reads_interpolates_and_estimates(tmp_path):
 
 
 def played(records, samples, elapsed=8.0):
-    return Replay([], records, samples, elapsed, 1000.0)
+    return Replay(records, samples, elapsed, 1000.0)
 
 
 def test_modes_are_summed_over_windows_compared_with_fp16_window_by_window_and_plotted(tmp_path):

@@ -208,6 +208,13 @@ def test_freed_pages_are_learned_and_unknown_widths_bounded_from_above():
     assert pages_taken_back({}, [4, 8, 8], 17, [0]) == 17  # only the total is known: assume it all
 
 
+def test_a_splitquant_plans_bits_are_left_as_planned():
+    planned = alone("e0", 8, bits=8).model_copy(update={"slots": "placed"})
+    d = Driver(executor=FakeExecutor(layers=[8] * 8, plan=planned))
+    assert not any(d.window(CALM) for _ in range(100))  # no restore above the planned bits
+    assert not any(d.window(PRESSURE, preemptions=i) for i in range(1, 20))
+
+
 def test_dead_and_draining_executors_get_nothing():
     for flag in ("alive", "draining"):
         ex = FakeExecutor()

@@ -297,8 +297,13 @@ def plan(state: ClusterState, memory: MorphMemory, settings: SettingsSource,
     commands: list[PlannedCommand] = []
     executors: dict[str, ExecutorMemory] = {}
     for es in state.executors:
-        if not leads(es) or (es.telemetry.plan is not None and es.telemetry.plan.merged):
+        plan = es.telemetry.plan
+        if not leads(es) or (plan is not None and plan.merged):
             continue  # a TP merge keeps its bits until it splits (AMOEBAs: policies/amoebas.py)
+        if plan is not None and plan.slots == "placed":
+            # A SplitQuant plan's bits are the planner's choice, not a quantize of this rung's: a restore would
+            # undo the plan (CoCoServe leaves such an instance alone too, cocoserve_algorithms.instances).
+            continue
         s = settings(len(es.telemetry.layers)) if callable(settings) else settings
         previous = memory.executors.get(es.executor, ExecutorMemory())
         if s.mode == "off":

@@ -243,6 +243,10 @@ class ExecutorTelemetry(Message):
     def pressure_events(self) -> int:
         return self.preemptions + self.admission_blocked + self.rejected
 
+    def pressure_since(self, instance: str, count: int) -> int:
+        """Pressure events since a report of `instance` counted `count`; a new process counts from zero."""
+        return self.pressure_events - (count if instance == self.instance else 0)
+
 
 class SloWindow(Part):
     """Requests finished over the monitor's SLO window, against the configured TTFT and TPOT SLOs."""

@@ -12,6 +12,7 @@ the wake-up this project promises is the former, under one second on this CPU (i
 """
 
 import asyncio
+import sys
 
 from shared import subjects
 from shared.bus import Bus, StreamError
@@ -36,7 +37,7 @@ def read_events(nats_url: str | None, since: float) -> list[Event]:
     try:
         return asyncio.run(asyncio.wait_for(_read(nats_url, since), READ_TIMEOUT_S))
     except (StreamError, TimeoutError, OSError) as e:
-        print(f"morphling bench: the controller's actions are not shown: {e}")
+        print(f"morphling bench: the controller's actions are not shown: {e}", file=sys.stderr)
         return []
 
 

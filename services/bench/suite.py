@@ -85,6 +85,10 @@ def measure_capacity(url: str, model: str, pool: PromptPool, rows: list[TraceRow
             "probes": [vars(p) | {"meets_slo": p.meets(args.slo_ttft)} for p in probes]}
 
 
+def auth_headers(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 @contextmanager
 def system_for(mode: str, args) -> Iterator[Endpoints]:
     """The system to bench `mode` on: --url's, or a `morphling up` started for it and stopped after."""
@@ -98,7 +102,7 @@ def system_for(mode: str, args) -> Iterator[Endpoints]:
 
 def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> tuple[dict, dict, dict]:
     """(capacity, the requests of each window, results by mode then window); each result holds a Replay."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     capacity: dict = {"rate_scale": args.rate_scale, "given": args.rate_scale is not None}
     workload: dict[str, tuple[list[TraceRequest], list[list[int]]]] = {}
     results: dict[str, dict[str, Replay | dict]] = {}
@@ -148,7 +152,7 @@ def settle(url: str, headers: dict, at_rest: dict, rest_s: float, timeout_s: flo
 def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, mode: str) -> dict:
     out, rested = {}, {}
     started_at = time.time()
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     with httpx.Client(headers=headers, timeout=30) as client:
         at_rest = shape(client.get(f"{system.url}/v1/cluster").json())
     for i, w in enumerate(windows):

@@ -104,7 +104,7 @@ class ClusterView:
             self._executors[t.executor] = e
             return t.pressure_events > 0
         restarted = t.instance != e.telemetry.instance
-        pressure_rose = t.pressure_events > (0 if restarted else e.telemetry.pressure_events)
+        pressure_rose = t.pressure_since(e.telemetry.instance, e.telemetry.pressure_events) > 0
         if e.reported == UP and (restarted or not self.alive(t.executor, now)):
             # It died and came back between two transitions() calls: the "down" must not be lost,
             # or the events would claim an executor that restarted had never gone away.

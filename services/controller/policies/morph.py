@@ -227,8 +227,7 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
 def urgent(es: ExecutorState, memory: ExecutorMemory) -> bool:
     """Whether the executor counted pressure events (preemptions, admissions waiting for KV, refusals) since
     the report last planned on: hard evidence, acted on at once (hysteresis.advance's `urgent`)."""
-    instance, count = memory.pressure_seen
-    return es.telemetry.pressure_events > (count if instance == es.telemetry.instance else 0)
+    return es.telemetry.pressure_since(*memory.pressure_seen) > 0
 
 
 def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMemory | None = None) -> bool:

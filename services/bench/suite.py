@@ -8,9 +8,10 @@
    no window is picked by hand, and a reader can recompute the pick from the trace.
 3. Modes. One system per mode (modes.py), started as `morphling up` starts it; every window is replayed
    against it in turn, open loop, with the same requests and prompts in every mode. Between two windows the
-   bench rests `rest_s`, then waits (up to `settle_timeout`) until the cluster is back in the shape it had
-   before the first (full precision, the batch caps, no replicas, migrations or merges): every window starts
-   at rest, and a result says how long that took and whether it got there.
+   bench rests `rest_s`, then waits (up to `settle_timeout`) until every pressure action is undone (the
+   starting bits, batch caps, members and TP degree; replicas on idle capacity may stay, as they are
+   CoCoServe's rest) and the cluster has stopped changing: every window starts at rest, and a result says how
+   long that took and whether it got there.
 
 Each (mode, window) gives the metrics of metrics.summarize, the controller's actions and its reaction time
 from the event stream (events.py), and the tokens served, which report.py compares with fp16's.
@@ -124,28 +125,45 @@ def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> 
 
 
 def shape(cluster: dict) -> dict:
-    """What the controller can have moved, from GET /v1/cluster: layer bits and batch caps per executor, the
-    instances' members, placements and bits. Equal shapes before two windows mean both started at rest."""
+    """Everything the controller can have moved, from GET /v1/cluster: layer bits and batch caps per executor,
+    the instances' members, placements and bits."""
     return {"executors": sorted((e["id"], tuple(e["layers"]), e["max_num_seqs"]) for e in cluster["executors"]
                                 if e["alive"]),
             "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(map(str, i["layers"])))
                                 for i in cluster["instances"])}
 
 
-def settle(url: str, headers: dict, at_rest: dict, rest_s: float, timeout_s: float) -> tuple[float, bool]:
-    """Rest `rest_s`, then wait until the cluster's shape is `at_rest` again (up to `timeout_s` more): every
-    window starts from where the first did. Returns (seconds waited, whether it got there)."""
-    start = time.monotonic()
+def at_rest(cluster: dict) -> dict:
+    """What a cluster at rest has back as it started: every pressure action undone (no layer below its starting
+    bits, the batch caps, the members and TP degree) but not the placement, since CoCoServe's rest is replicas
+    on idle capacity."""
+    return {"executors": sorted((e["id"], tuple(e["layers"]), e["max_num_seqs"]) for e in cluster["executors"]
+                                if e["alive"]),
+            "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(layer["bits"] for layer in i["layers"]))
+                                for i in cluster["instances"])}
+
+
+def settle(url: str, headers: dict, start: dict, rest_s: float, timeout_s: float, still_s: float = 3.0
+           ) -> tuple[float, bool]:
+    """Rest `rest_s`, then wait (up to `timeout_s` more) until the cluster is `start` again by `at_rest` and its
+    whole shape has not changed for `still_s`: every window starts rested and not mid-move. Returns (seconds
+    waited, whether it got there)."""
+    began = time.monotonic()
     time.sleep(rest_s)
+    last, since = None, time.monotonic()
     with httpx.Client(headers=headers, timeout=10) as client:
         while True:
             try:
-                if shape(client.get(f"{url}/v1/cluster").json()) == at_rest:
-                    return time.monotonic() - start, True
+                cluster = client.get(f"{url}/v1/cluster").json()
+                now = shape(cluster)
+                if now != last:
+                    last, since = now, time.monotonic()
+                elif at_rest(cluster) == start and time.monotonic() - since >= still_s:
+                    return time.monotonic() - began, True
             except (httpx.HTTPError, ValueError, KeyError):
                 pass  # an answer missed under load: ask again
-            if time.monotonic() - start > rest_s + timeout_s:
-                return time.monotonic() - start, False
+            if time.monotonic() - began > rest_s + timeout_s:
+                return time.monotonic() - began, False
             time.sleep(1.0)
 
 
@@ -154,10 +172,10 @@ def run_windows(system: Endpoints, model: str, windows: list[Window], workload: 
     started_at = time.time()
     headers = auth_headers(args)
     with httpx.Client(headers=headers, timeout=30) as client:
-        at_rest = shape(client.get(f"{system.url}/v1/cluster").json())
+        start = at_rest(client.get(f"{system.url}/v1/cluster").json())
     for i, w in enumerate(windows):
         if i:
-            rested[w.name] = settle(system.url, headers, at_rest, args.rest_s, args.settle_timeout)
+            rested[w.name] = settle(system.url, headers, start, args.rest_s, args.settle_timeout)
             if not rested[w.name][1]:
                 print(f"morphling bench: {mode}: not back at rest {rested[w.name][0]:.0f} s after "
                       f"{windows[i - 1].name}; {w.name} starts from where it is", file=sys.stderr)

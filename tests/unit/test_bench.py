@@ -17,7 +17,8 @@ from services.bench.events import actions, reaction
 from services.bench.modes import MODES, ModeError, up_args
 from services.bench.report import add_quality, comparison, mode_summary, window_result
 from services.bench.run import parse_args
-from services.bench.suite import Replay, shape
+from services.bench import suite
+from services.bench.suite import Replay, at_rest, shape
 from services.bench.trace import TraceError, load_trace, read_rows, scale_lengths
 from shared.config import data_dir, parse_size
 from shared.messages import Event
@@ -243,15 +244,47 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_window_starts_at_rest_only_when_nothing_the_controller_moved_is_still_moved():
-    def cluster(bits=16, cap=64, placement=("exec0",), alive=True):
+def test_at_rest_means_every_pressure_action_undone_but_replicas_on_idle_capacity_may_stay():
+    def cluster(bits=16, cap=64, placement=("exec0",), alive=True, tp=1):
         layers = [{"placement": list(placement), "bits": bits}] * 2
-        return {"executors": [{"id": "exec0", "alive": True, "layers": [bits, 16], "max_num_seqs": cap},
-                              {"id": "exec1", "alive": alive, "layers": [], "max_num_seqs": 0}],
-                "instances": [{"id": "i0", "members": ["exec0", "exec1"], "tp": 1, "layers": layers}]}
+        # a member reports its instance's bits, layer by layer, wherever the layers are placed
+        return {"executors": [{"id": "exec0", "alive": True, "layers": [bits, bits], "max_num_seqs": cap},
+                              {"id": "exec1", "alive": alive, "layers": [bits, bits], "max_num_seqs": 0}],
+                "instances": [{"id": "i0", "members": ["exec0", "exec1"], "tp": tp, "layers": layers}]}
 
-    at_rest = shape(cluster())
-    assert shape(cluster(alive=False)) != at_rest  # a member gone is not the same system
-    for moved in (cluster(bits=8), cluster(cap=9), cluster(placement=("exec0", "exec1"))):
-        assert shape(moved) != at_rest
-    assert shape(cluster()) == at_rest
+    start = at_rest(cluster())
+    assert at_rest(cluster(alive=False)) != start  # a member gone is not the same system
+    for pressed in (cluster(bits=8), cluster(cap=9), cluster(tp=2)):
+        assert at_rest(pressed) != start
+    replicated = cluster(placement=("exec0", "exec1"))
+    assert at_rest(replicated) == start and shape(replicated) != shape(cluster())  # rest, yet still a move
+
+
+def test_settle_waits_until_the_cluster_is_at_rest_and_still(monkeypatch):
+    """A cluster that restores, then moves a replica, then holds still: settled only once it has held."""
+    views = iter([{"bits": 8}, {"bits": 16}, {"bits": 16, "placement": ("exec0", "exec1")}]
+                 + [{"bits": 16, "placement": ("exec0", "exec1")}] * 10)
+    seen = []
+
+    def cluster(bits=16, placement=("exec0",)):
+        layers = [{"placement": list(placement), "bits": bits}]
+        return {"executors": [{"id": "exec0", "alive": True, "layers": [bits], "max_num_seqs": 8}],
+                "instances": [{"id": "i0", "members": ["exec0"], "tp": 1, "layers": layers}]}
+
+    class Answer:
+        def __init__(self, body):
+            self.body = body
+
+        def json(self):
+            return self.body
+
+    clock = [0.0]
+    monkeypatch.setattr(suite.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(suite.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(suite.httpx.Client, "get", lambda self, url: seen.append(url) or Answer(cluster(**next(views))))
+    waited, settled = suite.settle("http://gw", {}, at_rest(cluster()), rest_s=2.0, timeout_s=60.0, still_s=3.0)
+    assert settled and waited == 2.0 + 5.0  # rest, then two moves, then three still seconds
+    assert len(seen) == 6
+    clock[0] = 0.0
+    views = iter([{"bits": 8}] * 100)
+    assert suite.settle("http://gw", {}, at_rest(cluster()), rest_s=2.0, timeout_s=5.0, still_s=3.0)[1] is False

@@ -6,7 +6,8 @@
    bursts go above it as far as the trace's own bursts go above its median (windows.rate_scale_for).
 2. Windows. The k busiest and k most ordinary windows of the trace by arrival count (windows.pick_windows):
    no window is picked by hand, and a reader can recompute the pick from the trace.
-3. Modes. One system per mode (modes.py), started as `morphling up` starts it; every window is replayed
+3. Modes. One system per mode (modes.py), started as `morphling up` starts it and measured once every one of
+   its executors serves (`up` is ready at the first); every window is replayed
    against it in turn, open loop, with the same requests and prompts in every mode. Between two windows the
    bench rests `rest_s`, then waits (up to `settle_timeout`) until every pressure action is undone (the
    starting bits, batch caps, members and TP degree; replicas on idle capacity may stay, as they are
@@ -20,7 +21,7 @@ from the event stream (events.py), and the tokens served, which report.py compar
 import asyncio
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from services.bench import events as bench_events
 from services.bench.capacity import Probe, search, steady_load
 from services.bench.client import ClusterSample, RequestRecord, replay, served_model, tokenize
 from services.bench.metrics import percentile, timeline
-from services.bench.modes import MODES, up_args
+from services.bench.modes import MODES, executors_for, up_args
 from services.bench.prompts import PromptPool
 from services.bench.system import Endpoints, started
 from services.bench.trace import TraceRequest, TraceRow
@@ -98,6 +99,13 @@ def system_for(mode: str, args) -> Iterator[Endpoints]:
         return
     log_dir = args.out / "logs" / mode
     with started(up_command(args, mode, free_port(), log_dir), log_dir, args.startup_timeout, mode) as system:
+        # `up` is ready once one executor serves; a measurement starts once all of them do, and hold still.
+        expected = executors_for(MODES[mode], args.executors)
+        waited, cluster = wait_for(system.url, auth_headers(args), lambda c: alive(c) >= expected, 0.0,
+                                   args.startup_timeout)
+        if cluster is None:
+            raise RuntimeError(f"{mode}: {expected} executors did not all come up within {waited:.0f} s; "
+                               f"see {log_dir}")
         yield system
 
 
@@ -143,11 +151,10 @@ def at_rest(cluster: dict) -> dict:
                                 for i in cluster["instances"])}
 
 
-def settle(url: str, headers: dict, start: dict, rest_s: float, timeout_s: float, still_s: float = 3.0
-           ) -> tuple[float, bool]:
-    """Rest `rest_s`, then wait (up to `timeout_s` more) until the cluster is `start` again by `at_rest` and its
-    whole shape has not changed for `still_s`: every window starts rested and not mid-move. Returns (seconds
-    waited, whether it got there)."""
+def wait_for(url: str, headers: dict, wanted: Callable[[dict], bool], rest_s: float, timeout_s: float,
+             still_s: float = 3.0) -> tuple[float, dict | None]:
+    """Rest `rest_s`, then wait (up to `timeout_s` more) until GET /v1/cluster is `wanted` and its whole shape has
+    not changed for `still_s`, so that nothing is mid-move. Returns (seconds waited, that cluster, or None)."""
     began = time.monotonic()
     time.sleep(rest_s)
     last, since = None, time.monotonic()
@@ -158,13 +165,25 @@ def settle(url: str, headers: dict, start: dict, rest_s: float, timeout_s: float
                 now = shape(cluster)
                 if now != last:
                     last, since = now, time.monotonic()
-                elif at_rest(cluster) == start and time.monotonic() - since >= still_s:
-                    return time.monotonic() - began, True
+                elif wanted(cluster) and time.monotonic() - since >= still_s:
+                    return time.monotonic() - began, cluster
             except (httpx.HTTPError, ValueError, KeyError):
                 pass  # an answer missed under load: ask again
             if time.monotonic() - began > rest_s + timeout_s:
-                return time.monotonic() - began, False
+                return time.monotonic() - began, None
             time.sleep(1.0)
+
+
+def settle(url: str, headers: dict, start: dict, rest_s: float, timeout_s: float, still_s: float = 3.0
+           ) -> tuple[float, bool]:
+    """Rest, then wait until the cluster is `start` again by `at_rest`, and still: every window starts rested.
+    Returns (seconds waited, whether it got there)."""
+    waited, cluster = wait_for(url, headers, lambda c: at_rest(c) == start, rest_s, timeout_s, still_s)
+    return waited, cluster is not None
+
+
+def alive(cluster: dict) -> int:
+    return sum(1 for e in cluster["executors"] if e["alive"])
 
 
 def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, mode: str) -> dict:

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-engine": ("services.executor.tools.bench_engine",
                      "offline generation throughput: our engine vs transformers.generate"),
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
+    "simulate": ("services.simulator.run",
+                 "the bench's experiment on a simulated fleet, run by the real monitor, controller and router"),
     "bench-cocoserve": ("services.bench.cocoserve",
                         "one instance without operations vs CoCoServe scaling over a request-rate sweep"),
     "bench-reshape": ("services.executor.tools.bench_reshape",

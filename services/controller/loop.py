@@ -2,9 +2,8 @@
 
 Policies are pure functions so that the same code runs live and in the simulator; everything that
 touches the bus is here. Commands go out through shared.commands.CommandSender (sequence numbers,
-retries, the audit trail), and an executor gets one command at a time: while one is in flight,
-plans for that executor are dropped, because they were made from a state the running command is
-about to change.
+retries, the audit trail); which of the planned ones go out at all is dispatch.py's rule (one command
+at a time per executor, none from a state older than its last answer), which the simulator runs too.
 """
 
 import asyncio
@@ -12,6 +11,7 @@ import logging
 import time
 from collections import deque
 
+from services.controller.dispatch import sendable
 from services.controller.policies.interface import PlannedCommand, Policy
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
@@ -90,20 +90,13 @@ class Controller:
                 log.exception("planning on the state of %.3f failed", state.time)
 
     def dispatch(self, planned: list[PlannedCommand]) -> None:
-        """Start sending `planned`, in order per executor; executors already busy are skipped."""
-        by_executor: dict[str, list[PlannedCommand]] = {}
-        for p in planned:
-            by_executor.setdefault(p.executor, []).append(p)
-        # A state whose telemetry predates the end of the executor's last command does not show its effect
-        # yet (and a swap changes layers one by one): acting on it would repeat what was just done.
+        """Start sending what dispatch.sendable lets go of `planned`, in order per executor."""
         reported = {e.executor: e.telemetry.time for e in self.history[-1].executors} if self.history else {}
-        for executor, commands in by_executor.items():
-            if executor in self._busy:
-                log.debug("executor %s busy: dropped %d planned command(s)", executor, len(commands))
-                continue
-            if reported.get(executor, float("inf")) <= self._settled.get(executor, float("-inf")):
-                log.debug("executor %s: state predates its last command; dropped %d", executor, len(commands))
-                continue
+        chosen = sendable(planned, self._busy, reported, self._settled)
+        if len(chosen) < len({p.executor for p in planned}):
+            log.debug("dropped plans for %s (a command in flight, or a state older than its last answer)",
+                      sorted({p.executor for p in planned} - set(chosen)))
+        for executor, commands in chosen.items():
             task = asyncio.create_task(self._send_all(executor, commands), name=f"cmd-{executor}")
             self._busy[executor] = task
             task.add_done_callback(lambda _t, e=executor: self._command_done(e))

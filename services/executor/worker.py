@@ -31,15 +31,14 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from opentelemetry.context import Context
 
 from services.executor.admission import Departures, admits, predicted_wait_s
 from services.executor.engine.errors import KvCapacityError, QueueFullError
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.sequence import Sequence
+from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.fabric import step as wire
 from services.executor.fabric import transform
 from services.executor.fabric.kv_heads import KvPlanError
@@ -75,41 +74,10 @@ class Snapshot:
     in_flight: int  # admitted requests not yet finished
     layers: list[int]  # bits per decoder layer, never read halfway through a swap
     max_num_seqs: int  # the scheduler's batch cap now
-    pages_growth: int  # KV pages the running sequences still take (pages_growth below)
+    pages_growth: int  # KV pages the running sequences still take (engine/scheduling/growth.py)
     longest_blocks: int = 0  # KV blocks the longest sequence running or waiting takes at its end
     kv_units: dict[int, int] = field(default_factory=dict)  # TP degree -> KV head units (merge.kv_units)
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
-
-
-def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_len: int) -> int:
-    """KV pages the running sequences still take before they end at their max_tokens (or max_model_len).
-
-    A sequence's last token is sampled but never written to the cache, so it ends holding the KV of all
-    its tokens but one. One still to fork into n (its prompt not all computed) becomes n sequences sharing
-    the prompt's pages, each then taking its own pages past the prompt. Sequences writing next into a
-    shared, partly filled block copy it first (copy on write), all but the last of them: one page each.
-    """
-    size = blocks.block_size
-    growth = 0
-    shared: dict[int, int] = {}  # page -> holders, for shared partly filled blocks the next write goes into
-    for seq in running:
-        prompt = len(seq.prompt_ids)
-        kv_end = min(prompt + (seq.params.max_tokens or max_model_len), max_model_len) - 1
-        end_blocks = -(-kv_end // size)
-        if seq.fork_into > 1:
-            prompt_blocks = -(-prompt // size)
-            growth += max(0, prompt_blocks - len(seq.block_table))
-            growth += seq.fork_into * max(0, end_blocks - prompt_blocks)
-            if kv_end > prompt and prompt % size:
-                growth += seq.fork_into - 1
-            continue
-        growth += max(0, end_blocks - len(seq.block_table))
-        write_block = seq.num_computed // size
-        if seq.num_computed % size and write_block < len(seq.block_table) and kv_end > seq.num_computed:
-            page = seq.block_table[write_block]
-            if (holders := blocks.ledger.refcount(page)) > 1:
-                shared[page] = holders
-    return growth + sum(holders - 1 for holders in shared.values())
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,

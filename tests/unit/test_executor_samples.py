@@ -15,7 +15,7 @@ import pytest
 from services.executor.follower import FollowerService
 from services.executor.latency import BusyWindow, FinishedSamples
 from services.executor.service import ExecutorService
-from services.executor.worker import pages_growth
+from services.executor.engine.scheduling.growth import pages_growth
 from shared import subjects
 from shared.config import ExecutorConfig
 from shared.messages import Cancel, ExecutorTelemetry, RequestLatency

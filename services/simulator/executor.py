@@ -1,0 +1,232 @@
+"""One simulated executor: the engine's own scheduler, block manager and page ledger, with the forward pass
+replaced by the cost model's seconds.
+
+What is real here is what decides who waits: the continuous-batching rules (engine/scheduling/scheduler.py),
+the block tables and copy-on-write (engine/memory/block_manager.py) and the arena's ledger
+(engine/memory/ledger.py), imported, not copied. The arena is laid out as the engine lays it out: a page is
+one KV block for every layer, each decoder layer owns a slot of pages sized for full precision at the low end,
+and quantizing a layer releases its slot's tail as KV pages, restoring moves live KV out and takes it back
+(engine/morphing/swapper.py). What is modelled is time: a step takes what costs.step_seconds says, a swap
+what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
+max_tokens, as the bench asks with ignore_eos).
+
+Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
+that the monitor and the controller read a simulated executor exactly as a real one.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from services.executor.admission import Departures, admits
+from services.executor.engine.errors import OutOfPagesError, QueueFullError
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.scheduling.growth import pages_growth
+from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.sequence import Sequence
+from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
+from services.simulator import costs
+from services.simulator.fleet import ExecutorSpec, Fleet
+from shared.config import ExecutorConfig
+from shared.messages import ExecutorTelemetry, KvPages, QuantizeArgs, RestoreArgs
+from shared.planner.memory import FULL_BITS, weight_bytes
+from shared.sampling import SamplingOptions
+
+LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
+
+
+class SimulatedRefusal(Exception):
+    """A command the simulated executor refuses as the real one would (nothing changed)."""
+
+
+@dataclass
+class SimRequest:
+    """One request's life as the client would see it (times in simulated seconds)."""
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    executor: str | None = None
+    admitted_s: float | None = None
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    tokens: int = 0
+    done_s: float | None = None
+    error: str | None = None
+    token_bits: dict[tuple[int, int], int] = field(default_factory=dict)  # (INT8, INT4 layers) -> tokens
+
+
+class SimExecutor:
+    def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0):
+        self.spec, self.id, self.shape = spec, spec.id, fleet.shape
+        self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
+        block = self.limits.block_size
+        self.page_bytes = 2 * self.shape.num_layers * self.shape.kv_size * spec.dtype_bytes * block
+        self.slot_pages = {bits: math.ceil(weight_bytes(self.shape, bits, spec.dtype_bytes) / self.page_bytes)
+                           for bits in (FULL_BITS, 8, 4)}
+        num_pages = spec.memory // self.page_bytes
+        need = self.shape.num_layers * self.slot_pages[FULL_BITS] + math.ceil(self.max_model_len / block)
+        if num_pages < need:
+            raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
+                             f"{self.page_bytes} bytes; the layers and one sequence of {self.max_model_len} "
+                             f"tokens need {need}")
+        self.ledger = PageLedger(num_pages)
+        for layer in range(self.shape.num_layers):
+            self.ledger.assign_slot(layer, self._slot(layer))
+        self.blocks = BlockManager(self.ledger, block)
+        self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,
+                                   self.limits.max_waiting)
+        self.layer_bits = [FULL_BITS] * self.shape.num_layers
+        self.swap_order = list(range(self.shape.num_layers))
+        self.instance = f"{self.id}@{started_s:g}"  # a process: a restart would be a new one
+        self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
+        self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
+        self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
+        self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
+        self.requests: dict[str, SimRequest] = {}
+        self.rejected = 0
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
+        self.stepping: SchedulerOutput | None = None
+        self.step_started_s = 0.0
+        if static_bits != FULL_BITS:
+            self.set_bits(list(range(self.shape.num_layers)), static_bits)
+
+    # --- requests -------------------------------------------------------------------------------
+    def admit(self, request: SimRequest, now: float) -> None:
+        """Queue `request`; QueueFullError when the waiting queue is full or would hold it longer than
+        max_queue_wait_s (the executor's admission, executor/admission.py): the gateway tries another."""
+        departures, span_s = self.departures.recent(now)
+        if not admits(len(self.scheduler.waiting), departures, span_s, self.max_queue_wait_s):
+            self.rejected += 1
+            raise QueueFullError(len(self.scheduler.waiting), self.limits.max_waiting)
+        params = SamplingOptions(max_tokens=request.output_tokens, ignore_eos=True)
+        seq = Sequence(str(request.index), 0, [0] * request.prompt_tokens, params, now)
+        try:
+            self.scheduler.add(seq)
+        except QueueFullError:
+            self.rejected += 1
+            raise
+        request.executor, request.admitted_s = self.id, now
+        self.requests[seq.request_id] = request
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step; its seconds, or None when there is nothing to run."""
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return None
+        self.stepping, self.step_started_s = out, now
+        self.busy.begin(now)
+        return costs.step_seconds(self.spec, self.layer_bits, out.chunks)
+
+    def finish_step(self, now: float) -> list[SimRequest]:
+        """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
+        out, self.stepping = self.stepping, None
+        self.busy.end(now)
+        done = []
+        mix = (self.layer_bits.count(8), self.layer_bits.count(4))
+        for chunk in out.chunks:
+            seq, request = chunk.seq, self.requests[chunk.seq.request_id]
+            seq.num_computed += chunk.length
+            self.counts["prompt_tokens"] += max(0, min(chunk.start + chunk.length, len(seq.prompt_ids)) - chunk.start)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.step_started_s
+                request.first_scheduled_s = self.step_started_s
+                self.departures.record(now)
+                self.queue_delay.record(self.step_started_s - request.admitted_s, now)
+            if not chunk.completes:
+                continue
+            seq.output_ids.append(0)
+            self.counts["generated_tokens"] += 1
+            request.tokens += 1
+            request.token_bits[mix] = request.token_bits.get(mix, 0) + 1
+            if request.first_token_s is None:
+                request.first_token_s = now
+                self.ttft.record(now - request.admitted_s, now)
+            request.last_token_s = now
+            if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+        return done
+
+    def _finish(self, request_id: str, now: float, error: str | None = None) -> SimRequest:
+        request = self.requests.pop(request_id)
+        request.done_s, request.error = now, error
+        tpot = ((request.last_token_s - request.first_token_s) / (request.tokens - 1)
+                if request.tokens > 1 else None)
+        if tpot is not None:
+            self.tpot.record(tpot, now)
+        if request.first_token_s is not None:
+            self.finished.add(request.first_token_s - request.admitted_s, tpot or 0.0)
+        return request
+
+    # --- morphing ---------------------------------------------------------------------------------
+    def apply(self, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
+        """Apply a swap command between two steps: (the result's state, the seconds it took). Refuses with
+        SimulatedRefusal, changing nothing, as the executor would."""
+        if isinstance(args, QuantizeArgs):
+            layers = self._next_layers(args.layers, args.bits)
+            bits, kind = args.bits, "quantize"
+        elif isinstance(args, RestoreArgs):
+            layers = self._next_layers(args.layers, FULL_BITS)
+            bits, kind = FULL_BITS, "restore"
+        else:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} serves alone (no instance to reshape)")
+        self.set_bits(layers, bits)
+        return ({"layers": list(self.layer_bits), "changed": layers},
+                len(layers) * costs.swap_seconds(self.spec, self.shape, kind, bits))
+
+    def _next_layers(self, layers: int | list[int], bits: int) -> list[int]:
+        if isinstance(layers, list):
+            return layers
+        if bits == FULL_BITS:
+            candidates = [i for i in reversed(self.swap_order) if self.layer_bits[i] < FULL_BITS]
+        else:
+            candidates = [i for i in self.swap_order if self.layer_bits[i] > bits]
+        if not 1 <= layers <= len(candidates):
+            raise SimulatedRefusal(f"layers must be between 1 and {len(candidates)} here, got {layers}")
+        return candidates[:layers]
+
+    def set_bits(self, layers: list[int], bits: int) -> None:
+        """As LayerSwapper.set_bits: reclaim slot pages (moving live KV out first), or release them."""
+        reclaim = {i: range(self._slot(i).start + self.slot_pages[self.layer_bits[i]],
+                            self._slot(i).start + self.slot_pages[bits])
+                   for i in layers if self.slot_pages[bits] > self.slot_pages[self.layer_bits[i]]}
+        pages = {p for r in reclaim.values() for p in r}
+        if pages:
+            try:
+                self.scheduler.evacuate(pages)
+            except OutOfPagesError as exc:
+                raise SimulatedRefusal(f"restore refused: {exc.needed} live KV blocks need moving out of the "
+                                       f"layers' slots, but only {exc.free} free KV pages are elsewhere") from exc
+        for i in layers:
+            if i in reclaim:
+                self.ledger.assign_slot(i, reclaim[i])
+            held, need = self.slot_pages[self.layer_bits[i]], self.slot_pages[bits]
+            if need < held:
+                self.ledger.release_slot_pages(i, range(self._slot(i).start + need, self._slot(i).start + held))
+            self.layer_bits[i] = bits
+
+    def _slot(self, layer: int) -> range:
+        size = self.slot_pages[FULL_BITS]
+        return range(layer * size, (layer + 1) * size)
+
+    # --- telemetry --------------------------------------------------------------------------------
+    def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
+        snap = self.ledger.snapshot()
+        return ExecutorTelemetry(
+            executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
+            block_size=self.limits.block_size, page_bytes=self.page_bytes,
+            kv=KvPages(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
+                       pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
+                       pages_extension=snap.pages_extension),
+            layers=list(self.layer_bits), swap_order=list(self.swap_order),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            max_waiting=self.limits.max_waiting, preemptions=self.scheduler.num_preemptions,
+            admission_blocked=self.scheduler.num_admission_blocked, rejected=self.rejected,
+            prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
+            queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
+            max_num_seqs=self.scheduler.max_num_seqs, requests=self.finished.drain(),
+            pages_growth=pages_growth(self.scheduler.running, self.blocks, self.max_model_len),
+            busy=self.busy.share(now),
+            layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads)

@@ -1,0 +1,172 @@
+"""The fleet a simulation runs: which executors, on which devices, serving which model, with which engine limits.
+
+A fleet file is JSON:
+
+    {"model": "llama-3-8b",
+     "executors": [{"device": "H100-80GB", "count": 8},
+                   {"device": "cpu", "count": 2, "memory": "1GiB",
+                    "latency_profile": "../docs/results/latency_profile.json",
+                    "speedup_profile": "../docs/results/speedup_profile.json"}],
+     "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_waiting": 256, "block_size": 16,
+                "max_model_len": 8192},
+     "swap_s_per_layer": {"quantize": 0.0037, "restore": 0.0034}}
+
+- `model` is a shape the planner knows (shared/planner/shapes.py); "default" is SmolLM2-135M, the model
+  `morphling up` serves.
+- Each executor entry is `count` executors of one device of the devices table (shared/planner/devices.py),
+  named exec0, exec1, ... in file order. `memory` is its arena (decoder layers and KV), as `--memory-budget`
+  gives it; without it, the device's usable memory less the embeddings and LM head, which live outside the
+  arena. Paths are relative to the fleet file. `latency_profile` is a `morphling profile --latency` JSON
+  measured on that device with the executor's thread count; without one the device's latency is the roofline
+  model of its datasheet figures. `speedup_profile` (`morphling profile --speedup`) gives the rest of a step
+  (embedding, logits, sampling); without one it is the LM head's roofline.
+  `dtype_bytes`: 4 on cpu (float32), else 2 (bfloat16), as `morphling up` serves.
+- `engine` overrides EngineConfig's limits, the same for every executor.
+- `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
+  it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
+"""
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from shared.config import EngineConfig, parse_size
+from shared.planner.devices import DEVICES, Device
+from shared.planner.latency import FittedLatency, LatencyError, load_profile
+from shared.planner.roofline import RooflineLatency
+from shared.planner.shapes import SHAPES, ModelShape
+from shared.speedup import Line, SpeedupProfile, SpeedupProfileError
+
+DEFAULT_MODEL = "smollm2-135m"
+ENGINE_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "max_model_len")
+
+
+class FleetError(ValueError):
+    """A fleet file that cannot be simulated; the message names the entry and what is wrong."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    max_waiting: int = EngineConfig.max_waiting
+    block_size: int = EngineConfig.block_size
+    max_model_len: int = 0  # 0: the model's own
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    id: str
+    device: Device
+    memory: int  # bytes of the arena
+    dtype_bytes: int
+    latency: FittedLatency | RooflineLatency
+    overhead: Line  # seconds of a step outside the decoder layers, over the tokens it computes
+    swap_s: dict[str, float] = field(default_factory=dict)  # measured "quantize"/"restore" seconds per layer
+
+
+@dataclass(frozen=True)
+class Fleet:
+    shape: ModelShape
+    engine: EngineLimits
+    executors: list[ExecutorSpec]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len or self.shape.max_position
+
+
+def lm_head_overhead(device: Device, shape: ModelShape, dtype_bytes: int) -> Line:
+    """The rest of a step on a device without a measured profile: the LM head's weights read once, then its
+    FLOPs per sampled token (roofline, as planner/roofline.py models a layer)."""
+    weights = shape.vocab_size * shape.hidden_size * dtype_bytes
+    per_token = 2 * shape.vocab_size * shape.hidden_size / (device.fp16_flops * 0.6)
+    return Line(weights / (device.bandwidth * 0.8), per_token)
+
+
+def _read_json(path: Path, what: str) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FleetError(f"cannot read the {what} {path}: {exc}") from exc
+
+
+def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, base: Path) -> list[ExecutorSpec]:
+    if not isinstance(entry, dict):
+        raise FleetError(f"{where}: expected {{\"device\": ..., \"count\": ...}}, got {entry!r}")
+    unknown = set(entry) - {"device", "count", "memory", "latency_profile", "speedup_profile", "dtype_bytes"}
+    if unknown:
+        raise FleetError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    device = DEVICES.get(entry.get("device"))
+    if device is None:
+        raise FleetError(f"{where}: unknown device {entry.get('device')!r}; the table has {', '.join(DEVICES)}")
+    count = entry.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise FleetError(f"{where}: count must be a positive integer, got {count!r}")
+    dtype_bytes = entry.get("dtype_bytes", 4 if device.name == "cpu" else 2)
+    if dtype_bytes not in (2, 4):
+        raise FleetError(f"{where}: dtype_bytes must be 2 or 4, got {dtype_bytes!r}")
+    if "memory" in entry:
+        try:
+            memory = parse_size(str(entry["memory"]))
+        except ValueError as exc:
+            raise FleetError(f"{where}: memory {entry['memory']!r} is not a size such as 1GiB") from exc
+    elif device.memory > 0:
+        memory = device.memory - shape.embedding_params * dtype_bytes
+    else:
+        raise FleetError(f"{where}: {device.name} has no memory in the devices table: give \"memory\"")
+    if "latency_profile" in entry:
+        try:
+            latency = load_profile(base / entry["latency_profile"])
+        except (OSError, LatencyError, ValueError, KeyError) as exc:
+            raise FleetError(f"{where}: latency_profile: {exc}") from exc
+        measured = {k: latency.model.get(k) for k in ("hidden_size", "intermediate_size", "num_kv_heads")}
+        if measured != {k: getattr(shape, k) for k in measured}:
+            raise FleetError(f"{where}: latency_profile was measured for layers of {measured}, not {shape.name}'s")
+    elif device.modelled:
+        latency = RooflineLatency(device, shape, dtype_bytes)
+    else:
+        raise FleetError(f"{where}: {device.name} has no datasheet figures to model: give a latency_profile "
+                         f"(`morphling profile --latency` measured there)")
+    if "speedup_profile" in entry:
+        path = base / entry["speedup_profile"]
+        try:
+            overhead = SpeedupProfile.from_dict(_read_json(path, "speed-up profile"), str(path)).step_overhead
+        except SpeedupProfileError as exc:
+            raise FleetError(f"{where}: {exc}") from exc
+    elif device.modelled:
+        overhead = lm_head_overhead(device, shape, dtype_bytes)
+    else:
+        raise FleetError(f"{where}: {device.name} needs a speedup_profile for the rest of a step")
+    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead) for i in range(count)]
+
+
+def read_fleet(path: str | Path) -> Fleet:
+    path = Path(path)
+    data = _read_json(path, "fleet file")
+    if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
+        raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
+    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer"}
+    if unknown:
+        raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
+    name = data.get("model", "default")
+    shape = SHAPES.get(DEFAULT_MODEL if name == "default" else name)
+    if shape is None:
+        raise FleetError(f"{path}: unknown model {name!r}; the shapes are default, {', '.join(SHAPES)}")
+    engine = data.get("engine", {})
+    if not isinstance(engine, dict) or set(engine) - set(ENGINE_LIMITS) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in engine.values()):
+        raise FleetError(f"{path}: engine takes non-negative integers for {', '.join(ENGINE_LIMITS)}, got {engine!r}")
+    limits = EngineLimits(**engine)
+    swap = data.get("swap_s_per_layer", {})
+    if not isinstance(swap, dict) or set(swap) - {"quantize", "restore"} or not all(
+            isinstance(v, (int, float)) and v >= 0 for v in swap.values()):
+        raise FleetError(f"{path}: swap_s_per_layer takes quantize and restore seconds, got {swap!r}")
+    specs: list[ExecutorSpec] = []
+    for i, entry in enumerate(data["executors"]):
+        specs += _executor_specs(entry, f"{path}: executors[{i}]", shape, len(specs), path.parent)
+    unmodelled = sorted({s.device.name for s in specs if s.device.bandwidth <= 0})
+    if unmodelled and set(swap) != {"quantize", "restore"}:
+        raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
+                         f"swap_s_per_layer (quantize and restore, as measured there)")
+    return Fleet(shape, limits, [replace(s, swap_s=dict(swap)) for s in specs])

@@ -1,0 +1,211 @@
+"""`morphling simulate`: the bench's experiment on a simulated fleet, with the real monitor, controller and router.
+
+The same rules as `morphling bench` (services/bench/run.py), applied to simulated executors (cluster.py):
+fp16's capacity at steady load first (the same probes and interpolation, bench/capacity.py), the trace scaled
+so its median rate is that capacity, the k busiest and k most ordinary windows (bench/windows.py), every mode
+on every window, and the same results.json shape, table and plots. Each window starts from a fresh cluster,
+so no rest is needed between windows. Quality is the perplexity of the precision mixes the tokens were
+generated at (bench/quality.py, exact per token here), since simulated tokens carry no text to compare.
+
+Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second,
+the controller's decisions per simulated minute and the wall seconds its policies took per decision.
+
+Modes: fp16, int8, int4, morph and ladder. Instances of several executors (CoCoServe's operations, AMOEBAs'
+merges) are not simulated: cocoserve and amoebas are refused, and the ladder's replicate and tp rungs find
+nothing to move on executors alone, as in the bench's own ladder shape.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from services.bench.capacity import Probe, search, steady_load
+from services.bench.client import ClusterSample, RequestRecord
+from services.bench.events import actions, reaction
+from services.bench.metrics import percentile
+from services.bench.modes import MODES
+from services.bench.plots import plot_timeline, plot_ttft_cdf
+from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
+from services.bench.report import comparison, mode_summary, print_table, window_result
+from services.bench.trace import TraceError, read_rows
+from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
+from services.simulator.cluster import SimRun, SimSettings, Simulation
+from services.simulator.fidelity import compare, print_fidelity
+from services.simulator.fleet import FleetError, read_fleet
+from shared.config import ControllerConfig, MonitorConfig, data_dir
+from shared.provenance import provenance
+
+DEFAULT_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
+DEFAULT_FLEET = Path(__file__).parent / "fleets" / "cpu-bench.json"
+SIMULATED = ("fp16", "int8", "int4", "morph", "ladder")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="morphling simulate", description=__doc__.splitlines()[0])
+    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="a fleet JSON (services/simulator/fleet.py)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="an Azure or BurstGPT CSV")
+    ap.add_argument("--modes", default=",".join(SIMULATED), help=f"comma-separated, of {', '.join(SIMULATED)}")
+    ap.add_argument("--window-s", type=float, default=20.0, help="length of each window, trace seconds")
+    ap.add_argument("--busy", type=int, default=2, help="the k busiest windows of the trace")
+    ap.add_argument("--ordinary", type=int, default=2, help="the k windows closest to the median")
+    ap.add_argument("--load", type=float, default=1.0, help="the trace's median rate as a multiple of capacity")
+    ap.add_argument("--rate-scale", type=float, help="play the trace at this rate multiplier instead")
+    ap.add_argument("--probe-s", type=float, default=30.0, help="seconds of steady load per capacity probe")
+    ap.add_argument("--probe-start", type=float, default=0.5, help="the first capacity probe's rate, req/s")
+    ap.add_argument("--len-scale", type=float, default=0.1, help="token count multiplier")
+    ap.add_argument("--max-len", type=int, default=512, help="cap on prompt + output tokens of one request")
+    ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"))
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.5, help="the system's TPOT SLO")
+    ap.add_argument("--telemetry-interval", type=float, default=0.1, help="seconds between an executor's reports")
+    ap.add_argument("--drain-timeout", type=float, default=90.0,
+                    help="seconds after the last arrival before unfinished requests count as failed")
+    ap.add_argument("--ppl-table", type=Path, default=DEFAULT_TABLE, help="`morphling eval ppl --table` output")
+    ap.add_argument("--seed", type=int, default=0, help="the steady load's")
+    ap.add_argument("--compare", type=Path,
+                    help="a `morphling bench` results.json: replay its windows at its rate scale and report how far "
+                         "each prediction is from what it measured")
+    ap.add_argument("--out", type=Path, default=Path("simulate-results"))
+    args = ap.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in SIMULATED for m in args.modes) or len(set(args.modes)) != len(args.modes):
+        ap.error(f"--modes takes each of {', '.join(SIMULATED)} at most once (instances of several executors, "
+                 f"which cocoserve and amoebas need, are not simulated); got {','.join(args.modes) or 'nothing'}")
+    args.modes.sort(key=lambda m: m != "fp16")
+    if args.compare is not None:
+        try:
+            args.measured = json.loads(args.compare.read_text())
+            measured_scale = args.measured["capacity"]["rate_scale"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--compare {args.compare}: not a `morphling bench` results.json ({e})")
+        args.rate_scale = args.rate_scale or measured_scale
+    if args.rate_scale is None and "fp16" not in args.modes:
+        ap.error("the load is scaled to fp16's capacity: add fp16 to --modes, or give --rate-scale")
+    for name in ("window_s", "load", "probe_s", "probe_start", "len_scale", "slo_ttft", "slo_tpot",
+                 "telemetry_interval", "drain_timeout"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.rate_scale is not None and args.rate_scale <= 0:
+        ap.error("--rate-scale must be positive")
+    return args
+
+
+def settings_for(mode: str, args) -> SimSettings:
+    """The controller and monitor `morphling up` would run for `mode` (bench/modes.py's table)."""
+    m = MODES[mode]
+    controller = ControllerConfig(levers=m.levers, morph_mode=args.morph_mode if "quantize" in m.levers else "off",
+                                  cocoserve_mode="default" if "replicate" in m.levers else "off",
+                                  amoebas="tp" in m.levers)
+    monitor = MonitorConfig(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+    return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, drain_s=args.drain_timeout)
+
+
+def simulate(fleet, settings: SimSettings, arrivals) -> tuple[SimRun, float]:
+    began = time.perf_counter()
+    played = Simulation(fleet, settings).run(arrivals)
+    return played, time.perf_counter() - began
+
+
+def records(played: SimRun) -> list[RequestRecord]:
+    """The client's view of each simulated request, as the bench's client records it."""
+    out = []
+    for r in played.requests:
+        chunks = [t for t in (r.first_token_s, r.last_token_s if r.tokens > 1 else None) if t is not None]
+        out.append(RequestRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, sent_s=r.arrival_s,
+                                 chunk_s=chunks, completion_tokens=r.tokens, done_s=r.done_s, error=r.error))
+    return out
+
+
+def precision_share(played: SimRun) -> dict[tuple[int, int], float]:
+    """Share of the generated tokens at each (INT8 layers, INT4 layers) mix, counted token by token."""
+    counts: dict[tuple[int, int], int] = {}
+    for r in played.requests:
+        for mix, n in r.token_bits.items():
+            counts[mix] = counts.get(mix, 0) + n
+    total = sum(counts.values())
+    return {mix: n / total for mix, n in sorted(counts.items())} if total else {}
+
+
+def window_report(played: SimRun, wall_s: float, args, table, model: str) -> dict:
+    replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
+                                samples=[ClusterSample(t, executors) for t, executors in played.samples])
+    result = window_result(replay, actions(played.events, 0.0), reaction(played.events, 0.0), args.slo_ttft,
+                           table, model)
+    result["precision"] = quality(precision_share(played), table, model)
+    result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],
+                         "full_precision_token_share": result["precision"]["full_precision_token_share"]}
+    result["simulation"] = {
+        "simulated_s": played.elapsed_s, "wall_s": wall_s,
+        "simulated_s_per_wall_s": played.elapsed_s / wall_s if wall_s > 0 else None,
+        "decisions": played.decisions,
+        "decisions_per_min": 60 * played.decisions / played.elapsed_s if played.elapsed_s > 0 else 0.0,
+        "controller_ms_per_decision": 1e3 * played.plan_seconds / played.decisions if played.decisions else None}
+    return result
+
+
+def measure_capacity(fleet, rows, args) -> dict:
+    def measure(rate: float) -> Probe:
+        load = steady_load(rows, rate, args.probe_s, args.len_scale, args.max_len, args.seed)
+        played, _ = simulate(fleet, settings_for("fp16", args), load)
+        ttfts = [r.first_token_s - r.arrival_s for r in played.requests if r.first_token_s is not None]
+        return Probe(rate, percentile(ttfts, 95), sum(r.error is not None for r in played.requests), len(load))
+
+    capacity, probes = search(measure, args.probe_start, args.slo_ttft)
+    return {"capacity_rps": capacity, "probe_s": args.probe_s, "slo_ttft_s": args.slo_ttft,
+            "probes": [vars(p) | {"meets_slo": p.meets(args.slo_ttft)} for p in probes]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        fleet = read_fleet(args.fleet)
+        rows = read_rows(args.trace)
+        windows = pick_windows(rows, args.window_s, args.busy, args.ordinary)
+    except (FleetError, TraceError) as e:
+        print(f"morphling simulate: {e}", file=sys.stderr)
+        return 2
+    model = "default" if fleet.shape.name == "smollm2-135m" else fleet.shape.name
+    table = PerplexityTable.load(args.ppl_table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"morphling simulate: {len(fleet.executors)} executors of {fleet.shape.name}; modes "
+          f"{', '.join(args.modes)}; windows " + ", ".join(w.name for w in windows), file=sys.stderr)
+    if args.rate_scale is None:
+        capacity = measure_capacity(fleet, rows, args)
+        ordinary = median_rate(rows, args.window_s)
+        capacity |= {"given": False, "ordinary_rps": ordinary,
+                     "rate_scale": rate_scale_for(capacity["capacity_rps"], ordinary, args.load)}
+        print(f"capacity of fp16 at steady load: {capacity['capacity_rps']:.2f} req/s; trace played at "
+              f"x{capacity['rate_scale']:.3f}")
+    else:
+        capacity = {"given": True, "rate_scale": args.rate_scale}
+    results = {}
+    for mode in args.modes:
+        results[mode] = {}
+        for w in windows:
+            arrivals = requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len)
+            played, wall_s = simulate(fleet, settings_for(mode, args), arrivals)
+            results[mode][w.name] = window_report(played, wall_s, args, table, model)
+            print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "
+                  f"{wall_s:.1f} s", file=sys.stderr)
+    modes = {mode: mode_summary(ws) for mode, ws in results.items()}
+    for mode, ws in results.items():
+        for name, result in ws.items():
+            plot_timeline(f"{mode} {name}", result, args.slo_ttft, args.out / f"timeline_{mode}_{name}.png")
+    plot_ttft_cdf({m: {"requests": [r for w in ws.values() for r in w["requests"]]} for m, ws in results.items()},
+                  args.slo_ttft, args.out / "ttft_cdf.png")
+    compared = comparison(modes)
+    report = {"modes": modes, "comparison": compared, "capacity": capacity, "simulated": True,
+              "fleet": {"model": fleet.shape.name, "executors": [
+                  {"id": s.id, "device": s.device.name, "memory": s.memory, "latency": s.latency.source}
+                  for s in fleet.executors]},
+              "windows": [vars(w) | {"name": w.name} for w in windows], **provenance(args, skip=("measured",))}
+    if args.compare is not None:
+        report["fidelity"] = {"measured": str(args.compare), "modes": compare(report, args.measured)}
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    print_table(modes, compared)
+    if args.compare is not None:
+        print_fidelity(report["fidelity"]["modes"])
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} and a timeline per mode and window")
+    return 0

@@ -1,0 +1,215 @@
+"""The simulator (`morphling simulate`) on tiny fleets whose answers are computed by hand: step times from a
+latency profile with only intercepts, pages from the default model's layer sizes, and the real controller,
+monitor and router deciding. The default model's shape: 30 layers, KV heads 3 x 64, float32 on cpu, so a page
+(one 16-token block for every layer) is 2*30*192*4*16 = 737,280 bytes, and a layer's slot holds 20 pages at
+full precision (14,160,384 bytes), 5 at INT8 (3,564,288) and 3 at INT4 (2,013,696)."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from services.bench.metrics import percentile
+from services.bench.trace import TraceRequest
+from services.controller.dispatch import sendable
+from services.controller.policies import morph
+from services.controller.policies.interface import PlannedCommand
+from services.simulator import run as simulate_cli
+from services.simulator.cluster import SimSettings, Simulation
+from services.simulator.executor import SimExecutor, SimulatedRefusal
+from services.simulator.fidelity import compare
+from services.simulator.fleet import FleetError, read_fleet
+from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
+from shared.messages import QuantizeArgs, RestoreArgs
+from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
+
+PAGE = 737_280
+SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+         "dtype_bytes": 4, "num_layers": 30}
+PREFILL_S, DECODE_S, OVERHEAD_S = 0.002, 0.001, 0.010  # per layer, per layer, per step
+
+
+def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, **engine) -> Path:
+    """A fleet of `count` cpu executors whose layer takes PREFILL_S per prefill chunk and DECODE_S per decode
+    step whatever their size, and whose step costs OVERHEAD_S more."""
+    fitted = FittedLatency("cpu", SHAPE, {
+        "prefill": {b: [PREFILL_S] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in (16, 8, 4)},
+        "decode": {b: [DECODE_S] + [0.0] * (len(DECODE_FEATURES) - 1) for b in (16, 8, 4)}})
+    (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))
+    speedup = {"kind": "speedup-profile", "model": "default", "device": "cpu", "threads": 1, "num_layers": 30,
+               "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
+               "hop": {"intercept_s": 0.0, "per_byte_s": 0.0},
+               "step_overhead": {"intercept_s": OVERHEAD_S, "per_token_s": 0.0}}
+    (tmp_path / "speedup.json").write_text(json.dumps(speedup))
+    fleet = {"model": "default",
+             "executors": [{"device": "cpu", "count": count, "memory": pages * PAGE,
+                            "latency_profile": "latency.json", "speedup_profile": "speedup.json"}],
+             "engine": {"max_model_len": 512, **engine},
+             "swap_s_per_layer": {"quantize": 0.004, "restore": 0.003}}
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet))
+    return path
+
+
+def test_one_request_takes_a_prefill_step_then_a_decode_step_per_token(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path))
+    run = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()))).run(
+        [TraceRequest(0.5, prompt_tokens=100, output_tokens=5)])
+    r = run.requests[0]
+    prefill, decode = 30 * PREFILL_S + OVERHEAD_S, 30 * DECODE_S + OVERHEAD_S  # 0.07 s and 0.04 s
+    assert r.error is None and r.tokens == 5 and r.executor == "exec0"
+    assert r.first_token_s - r.arrival_s == pytest.approx(prefill)
+    assert r.done_s - r.arrival_s == pytest.approx(prefill + 4 * decode)
+
+
+def test_a_request_past_the_batch_cap_waits_for_the_running_one(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, max_num_seqs=1))
+    run = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()))).run(
+        [TraceRequest(0.5, 100, 3), TraceRequest(0.5, 100, 3)])
+    first, second = run.requests
+    prefill, decode = 30 * PREFILL_S + OVERHEAD_S, 30 * DECODE_S + OVERHEAD_S
+    assert first.done_s == pytest.approx(0.5 + prefill + 2 * decode)
+    assert second.first_token_s == pytest.approx(first.done_s + prefill)
+
+
+def test_the_router_spreads_arrivals_and_a_full_queue_sends_them_on(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=1, max_waiting=1))
+    # Both executors take one running and one waiting; the fifth arrival finds every queue full.
+    run = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()))).run(
+        [TraceRequest(0.5 + i * 1e-4, 100, 50) for i in range(5)])
+    taken = [r.executor for r in run.requests]
+    assert sorted(taken[:4]) == ["exec0", "exec0", "exec1", "exec1"]
+    assert taken[4] is None and "queues full" in run.requests[4].error
+
+
+def test_quantizing_a_layer_gives_its_slot_tail_to_the_kv_cache_and_restoring_takes_it_back(tmp_path):
+    executor = SimExecutor(read_fleet(write_fleet(tmp_path)).executors[0], read_fleet(tmp_path / "fleet.json"))
+    assert executor.slot_pages == {16: 20, 8: 5, 4: 3}
+    kv = executor.ledger.snapshot().pages_kv
+    assert kv == 800 - 30 * 20
+    state, seconds = executor.apply(QuantizeArgs(layers=2, bits=8))
+    assert state["changed"] == [0, 1] and seconds == pytest.approx(2 * 0.004)
+    assert executor.ledger.snapshot().pages_kv == kv + 2 * 15
+    executor.apply(QuantizeArgs(layers=[5], bits=4))
+    assert executor.ledger.snapshot().pages_kv == kv + 2 * 15 + 17
+    state, seconds = executor.apply(RestoreArgs(layers=3))
+    assert sorted(state["changed"]) == [0, 1, 5] and executor.layer_bits == [16] * 30
+    assert executor.ledger.snapshot().pages_kv == kv and seconds == pytest.approx(3 * 0.003)
+    with pytest.raises(SimulatedRefusal, match="between 1 and 0"):
+        executor.apply(RestoreArgs(layers=1))
+
+
+def test_the_fleet_file_is_checked(tmp_path):
+    good = json.loads(write_fleet(tmp_path).read_text())
+    for broken, message in (({"model": "gpt-5"}, "unknown model"),
+                            ({"executors": [{"device": "TPU", "count": 1}]}, "unknown device"),
+                            ({"executors": [{"device": "cpu", "count": 1}]}, "give \"memory\""),
+                            ({"executors": [{"device": "cpu", "count": 1, "memory": "1GiB",
+                                             "speedup_profile": "speedup.json"}]}, "latency_profile"),
+                            ({"executors": [{"device": "H100-80GB", "count": 0}]}, "positive integer"),
+                            ({"engine": {"max_num_seqs": -1}}, "non-negative"),
+                            ({"gpus": 8}, "unknown field")):
+        path = tmp_path / "broken.json"
+        path.write_text(json.dumps(good | broken))
+        with pytest.raises(FleetError, match=message):
+            read_fleet(path)
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"model": "llama-3-8b", "executors": [{"device": "H100-80GB", "count": 8}]}))
+    fleet = read_fleet(gpu)
+    assert [s.id for s in fleet.executors] == [f"exec{i}" for i in range(8)]
+    assert fleet.executors[0].latency.source == "modelled" and fleet.max_model_len == 8192
+
+
+def test_dispatch_sends_nothing_to_a_busy_executor_or_on_a_state_older_than_its_last_answer():
+    planned = [PlannedCommand("a", RestoreArgs(layers=1)), PlannedCommand("b", RestoreArgs(layers=1)),
+               PlannedCommand("a", QuantizeArgs(layers=1, bits=8)), PlannedCommand("c", RestoreArgs(layers=1))]
+    out = sendable(planned, busy={"b"}, reported={"a": 10.0, "b": 10.0, "c": 10.0}, settled={"c": 10.0})
+    assert list(out) == ["a"] and [p.args.kind for p in out["a"]] == ["restore", "quantize"]
+
+
+def burst(n: int = 60) -> list[TraceRequest]:
+    return [TraceRequest(1.0 + 0.01 * i, 200, 60) for i in range(n)]
+
+
+def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_first_pressure(tmp_path):
+    # 30 slots of 20 pages and 120 KV pages: 60 requests of 260 tokens (17 blocks each at their end) need 1020.
+    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),
+                           monitor=MonitorConfig(slo_ttft_s=2.0, slo_tpot_s=0.5))
+    run = Simulation(fleet, settings).run(burst())
+    quantizes = [e for e in run.events if e.kind == "command" and e.data["kind"] == "quantize" and e.data["ok"]]
+    pressure = [e.time for e in run.events if e.kind == "pressure"]
+    assert quantizes and pressure
+    decided = quantizes[0].time - quantizes[0].data["latency_s"]
+    assert pressure[0] <= decided < pressure[0] + 1.0
+    assert run.decisions > 0 and any(mix != (0, 0) for r in run.requests for mix in r.token_bits)
+
+    static = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()))).run(burst())
+    assert not [e for e in static.events if e.kind == "command"]
+    served = [r for r in run.requests if r.error is None]
+    assert len(served) >= sum(r.error is None for r in static.requests)
+    ttft = percentile([r.first_token_s - r.arrival_s for r in served], 95)
+    assert ttft < percentile([r.first_token_s - r.arrival_s for r in static.requests if r.error is None], 95)
+
+
+def test_the_simulator_runs_the_controllers_own_policy_not_a_copy(tmp_path, monkeypatch):
+    calls = []
+    real = morph.plan
+    monkeypatch.setattr(morph, "plan", lambda *a, **k: calls.append(a[0].time) or real(*a, **k))
+    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    Simulation(fleet, SimSettings(controller=ControllerConfig(levers=("quantize",)))).run(burst(10))
+    assert calls  # the ladder reached services/controller/policies/morph.py itself
+    # ...and no file of the simulator defines a function of the pieces it must import.
+    owned = {"plan", "make_policy", "choose_executor", "serving", "observe", "state", "schedule", "sendable",
+             "pages_growth", "advance", "splits"}
+    for path in (PROJECT_ROOT / "services" / "simulator").glob("*.py"):
+        defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        assert not defined & owned, f"{path.name} defines {defined & owned}: import it instead"
+
+
+def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = simulate_cli.main(["--fleet", str(write_fleet(tmp_path, pages=720)), "--modes", "fp16,morph",
+                            "--rate-scale", "0.5", "--busy", "1", "--ordinary", "1", "--window-s", "5",
+                            "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "results.json").read_text())
+    assert set(report["modes"]) == {"fp16", "morph"} and report["simulated"] is True
+    fp16 = report["modes"]["fp16"]
+    for key in ("ttft_p95", "slo_violation_pct", "tpot_p50", "throughput_tok_s", "quality", "spread", "windows"):
+        assert key in fp16
+    window = next(iter(fp16["windows"].values()))
+    assert window["simulation"]["simulated_s_per_wall_s"] > 0 and window["request_count"] > 0
+    assert fp16["quality"]["full_precision_token_share"] == 1.0
+    assert "morph" in report["comparison"] and (out / "ttft_cdf.png").is_file()
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--modes", "fp16,cocoserve"], "not simulated"),
+                                           (["--modes", "morph"], "add fp16"),
+                                           (["--window-s", "0"], "--window-s must be positive")])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        simulate_cli.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_replays_a_run_at_its_rate_and_reports_signed_errors(tmp_path):
+    fleet, first = write_fleet(tmp_path, pages=720), tmp_path / "first"
+    common = ["--fleet", str(fleet), "--modes", "fp16,morph", "--busy", "1", "--ordinary", "0", "--window-s", "5"]
+    assert simulate_cli.main(common + ["--rate-scale", "0.4", "--out", str(first)]) == 0
+    measured = json.loads((first / "results.json").read_text())
+    # The simulation is deterministic: replayed against itself, at the rate scale read from the run, it is exact.
+    again = tmp_path / "again"
+    assert simulate_cli.main(common + ["--compare", str(first / "results.json"), "--out", str(again)]) == 0
+    fidelity = json.loads((again / "results.json").read_text())["fidelity"]["modes"]
+    assert set(fidelity) == {"fp16", "morph"}
+    assert all(e in (0.0, None) for mode in fidelity.values() for e in mode["mean_abs_error"].values())
+    # A measured run half as slow at P95 reads as a prediction 50% low, and its actions are counted by kind.
+    window = next(iter(measured["modes"]["fp16"]["windows"].values()))
+    window["ttft_p95"] *= 2
+    window["actions"] = [{"kind": "quantize", "ok": True}, {"kind": "quantize", "ok": False}]
+    row = next(iter(compare(json.loads((first / "results.json").read_text()), measured)["fp16"]["windows"].values()))
+    assert row["ttft_p95"]["error"] == pytest.approx(-0.5)
+    assert row["actions"] == {"measured": {"quantize": 1}, "predicted": {}}

@@ -93,8 +93,8 @@ class Simulation:
 
     def run(self, arrivals: list[TraceRequest]) -> SimRun:
         requests = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(arrivals)]
-        for e in self.executors:
-            self.at(0.0, self._report, e, True)
+        for name in self.executors:
+            self.at(0.0, self._report, name, True)
         self.at(0.0, self._tick)
         self.at(0.0, self._sample)
         for r in requests:

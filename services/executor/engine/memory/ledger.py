@@ -48,6 +48,7 @@ class PageLedger:
         heapq.heapify(self._free_heap)
         self._free = set(range(num_pages))
         self._was_slot = [False] * num_pages  # has this page ever been part of a slot
+        self._extension = 0  # pages once in a slot and now not: counted as they move, since telemetry asks often
         self._slot_pages = 0
         self._absent: set[int] = set()  # withdrawn: neither KV nor slot until reinstated
 
@@ -61,6 +62,7 @@ class PageLedger:
                 raise LedgerError(f"page {p} cannot join layer {layer}'s slot: it is {owner}")
         for p in pages:
             self._free.discard(p)
+            self._extension -= self._was_slot[p]
             self._slot_of[p] = layer
             self._was_slot[p] = True
         self._slot_pages += len(pages)
@@ -74,6 +76,7 @@ class PageLedger:
                 raise LedgerError(f"page {p} is not in layer {layer}'s slot (owner: {self._slot_of[p]})")
         for p in pages:
             self._slot_of[p] = None
+            self._extension += 1
             self._free.add(p)
             heapq.heappush(self._free_heap, -p)
         self._slot_pages -= len(pages)
@@ -194,7 +197,7 @@ class PageLedger:
     def snapshot(self) -> LedgerSnapshot:
         free = len(self._free)
         kv_pages = self.num_present - self._slot_pages
-        extension = sum(1 for p in range(self.num_pages) if self._was_slot[p] and self._slot_of[p] is None)
+        extension = self._extension
         return LedgerSnapshot(
             pages_total=self.num_present,
             pages_slot=self._slot_pages,
@@ -218,6 +221,9 @@ class PageLedger:
                 raise LedgerError(f"page {p} is in a slot and also free or referenced (refcount {rc})")
             if not in_slot and free == (rc > 0):
                 raise LedgerError(f"page {p}: free={free} but refcount={rc}")
+        extension = sum(1 for p in range(self.num_pages) if self._was_slot[p] and self._slot_of[p] is None)
+        if extension != self._extension:
+            raise LedgerError(f"{self._extension} extension pages counted, {extension} found")
 
     # --- helpers ------------------------------------------------------------------------------
     def _check_page(self, page: int) -> None:

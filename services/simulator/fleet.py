@@ -30,8 +30,9 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from shared.config import EngineConfig, parse_size
-from shared.planner.devices import DEVICES, Device
+from shared.config import EngineConfig
+from shared.planner.devices import ClusterError, Device
+from shared.planner.devices import device as read_device
 from shared.planner.latency import FittedLatency, LatencyError, load_profile
 from shared.planner.roofline import RooflineLatency
 from shared.planner.shapes import SHAPES, ModelShape
@@ -97,24 +98,19 @@ def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, ba
     unknown = set(entry) - {"device", "count", "memory", "latency_profile", "speedup_profile", "dtype_bytes"}
     if unknown:
         raise FleetError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-    device = DEVICES.get(entry.get("device"))
-    if device is None:
-        raise FleetError(f"{where}: unknown device {entry.get('device')!r}; the table has {', '.join(DEVICES)}")
+    given = {"memory": entry["memory"]} if "memory" in entry else {}
+    try:  # the planner's devices table, and its reading of a device and its memory
+        device = read_device({"name": entry.get("device"), **given}, where)
+    except ClusterError as exc:
+        raise FleetError(str(exc)) from exc
     count = entry.get("count", 1)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise FleetError(f"{where}: count must be a positive integer, got {count!r}")
     dtype_bytes = entry.get("dtype_bytes", 4 if device.name == "cpu" else 2)
     if dtype_bytes not in (2, 4):
         raise FleetError(f"{where}: dtype_bytes must be 2 or 4, got {dtype_bytes!r}")
-    if "memory" in entry:
-        try:
-            memory = parse_size(str(entry["memory"]))
-        except ValueError as exc:
-            raise FleetError(f"{where}: memory {entry['memory']!r} is not a size such as 1GiB") from exc
-    elif device.memory > 0:
-        memory = device.memory - shape.embedding_params * dtype_bytes
-    else:
-        raise FleetError(f"{where}: {device.name} has no memory in the devices table: give \"memory\"")
+    # A memory given is the arena; the table's is the device's, which also holds the embeddings and LM head.
+    memory = device.memory if given else device.memory - shape.embedding_params * dtype_bytes
     if "latency_profile" in entry:
         try:
             latency = load_profile(base / entry["latency_profile"])

@@ -104,7 +104,7 @@ def test_the_fleet_file_is_checked(tmp_path):
     good = json.loads(write_fleet(tmp_path).read_text())
     for broken, message in (({"model": "gpt-5"}, "unknown model"),
                             ({"executors": [{"device": "TPU", "count": 1}]}, "unknown device"),
-                            ({"executors": [{"device": "cpu", "count": 1}]}, "give \"memory\""),
+                            ({"executors": [{"device": "cpu", "count": 1}]}, "needs its memory"),
                             ({"executors": [{"device": "cpu", "count": 1, "memory": "1GiB",
                                              "speedup_profile": "speedup.json"}]}, "latency_profile"),
                             ({"executors": [{"device": "H100-80GB", "count": 0}]}, "positive integer"),

@@ -241,11 +241,17 @@ class ExecutorTelemetry(Message):
 
     @property
     def pressure_events(self) -> int:
-        return self.preemptions + self.admission_blocked + self.rejected
+        return pressure_events(self.preemptions, self.admission_blocked, self.rejected)
 
     def pressure_since(self, instance: str, count: int) -> int:
         """Pressure events since a report of `instance` counted `count`; a new process counts from zero."""
         return self.pressure_events - (count if instance == self.instance else 0)
+
+
+def pressure_events(preemptions: int, admission_blocked: int, rejected: int) -> int:
+    """The hard signs of memory pressure an executor counts (ExecutorTelemetry's fields of those names), as one
+    number whose growth wakes the monitor and the controller at once."""
+    return preemptions + admission_blocked + rejected
 
 
 class SloWindow(Part):

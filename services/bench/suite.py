@@ -145,8 +145,7 @@ def at_rest(cluster: dict) -> dict:
     """What a cluster at rest has back as it started: every pressure action undone (no layer below its starting
     bits, the batch caps, the members and TP degree) but not the placement, since CoCoServe's rest is replicas
     on idle capacity."""
-    return {"executors": sorted((e["id"], tuple(e["layers"]), e["max_num_seqs"]) for e in cluster["executors"]
-                                if e["alive"]),
+    return {"executors": shape(cluster)["executors"],
             "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(layer["bits"] for layer in i["layers"]))
                                 for i in cluster["instances"])}
 

@@ -45,10 +45,7 @@ async def _run_until_signalled(config: ControllerConfig, profile: SpeedupProfile
         log.info("controller: stopped before the bus connected")
         return
     # The ladder reads the rungs' modes, levers and overrides from the config at each window.
-    active = {"quantize": config.morph_mode != "off", "replicate": config.cocoserve_mode != "off",
-              "tp": config.amoebas}
-    policies = [ladder.make_policy(profile)] if any(active[lever] for lever in config.levers) else []
-    controller = Controller(config, policies=policies)
+    controller = Controller(config, policies=ladder.policies_for(config, profile))
     await controller.start(bus)
     log.info("controller %s: following the cluster state on %s (levers %s; morph mode %s%s; CoCoServe mode %s%s; "
              "speed-up profile %s)", config.controller_id, config.nats_url, ",".join(config.levers) or "none",

@@ -52,7 +52,7 @@ from shared import subjects
 from shared.bus import BusError, Incoming
 from shared.errors import InvalidCommandError, InvalidRequestError
 from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, Admission, Cancel, ErrorInfo,
-                             GenerateRequest, Message, TokenBatch, TokenDelta)
+                             GenerateRequest, Message, TokenBatch, TokenDelta, pressure_events)
 from shared.telemetry import RECORD_CONTENT
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class EngineWorker:
 
     def _report_pressure(self) -> None:
         stats = self.snapshot.stats
-        count = stats.preemptions + stats.admission_blocked + self._rejected
+        count = pressure_events(stats.preemptions, stats.admission_blocked, self._rejected)
         if count > self._pressure_seen:
             self._pressure_seen = count
             self._on_pressure()

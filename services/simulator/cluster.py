@@ -8,7 +8,8 @@ that do, all imported from the services:
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
   heartbeat does; each report goes through the monitor's ClusterView (monitor/aggregate.py);
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
-  pressure; the controller's policies (controller/policies/, the ladder) plan on every state, and
+  pressure; the controller (controller/loop.py's Controller.plan, with the policies its process would run)
+  plans on every state, and
   controller/dispatch.py says which planned commands go out (one command at a time per executor, none from
   a state older than the executor's last answer);
 - a command reaches its executor after `bus_latency_s`, waits for the step boundary, takes what
@@ -21,11 +22,11 @@ events.reaction read a simulation as they read a real run.
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from services.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
+from services.controller.loop import Controller
 from services.controller.policies import ladder
 from services.controller.policies.interface import PlannedCommand
 from services.executor.engine.errors import QueueFullError
@@ -34,7 +35,7 @@ from services.monitor.aggregate import ClusterView
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fleet import Fleet
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event
+from shared.messages import ClusterState, Event, pressure_events
 
 MODEL = "simulated"
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
@@ -66,11 +67,7 @@ class Simulation:
         self.fleet, self.settings = fleet, settings
         self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits) for s in fleet.executors}
         self.view = ClusterView(settings.monitor)
-        config = settings.controller
-        active = {"quantize": config.morph_mode != "off", "replicate": config.cocoserve_mode != "off",
-                  "tp": config.amoebas}
-        self.policies = [ladder.make_policy()] if any(active[lever] for lever in config.levers) else []
-        self.history: deque[ClusterState] = deque(maxlen=600)
+        self.controller = Controller(settings.controller, ladder.policies_for(settings.controller))
         self.state: ClusterState | None = None
         self.now = 0.0
         self._heap: list = []
@@ -144,7 +141,7 @@ class Simulation:
     def _after_pressure(self, name: str) -> None:
         """A step or a refusal that raised the pressure events: report at once, and say so on the stream."""
         e = self.executors[name]
-        count = e.scheduler.num_preemptions + e.scheduler.num_admission_blocked + e.rejected
+        count = pressure_events(e.scheduler.num_preemptions, e.scheduler.num_admission_blocked, e.rejected)
         if count <= self._published.get(name, 0):
             return
         self._report(name, False)
@@ -167,12 +164,10 @@ class Simulation:
 
     def _publish(self) -> None:
         self.state = self.view.state(self.now)
-        if not self.policies:
+        if not self.controller.policies:
             return
         began = time.perf_counter()
-        earlier = list(self.history)
-        self.history.append(self.state)
-        planned = [p for policy in self.policies for p in policy(self.state, earlier, self.settings.controller)]
+        planned = self.controller.plan(self.state)
         self.plan_seconds += time.perf_counter() - began
         self.decisions += 1
         reported = {e.executor: e.telemetry.time for e in self.state.executors}

@@ -21,6 +21,7 @@ from services.executor.admission import Departures, admits
 from services.executor.engine.errors import OutOfPagesError, QueueFullError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
@@ -179,20 +180,17 @@ class SimExecutor:
     def _next_layers(self, layers: int | list[int], bits: int) -> list[int]:
         if isinstance(layers, list):
             return layers
-        if bits == FULL_BITS:
-            candidates = [i for i in reversed(self.swap_order) if self.layer_bits[i] < FULL_BITS]
-        else:
-            candidates = [i for i in self.swap_order if self.layer_bits[i] > bits]
-        if not 1 <= layers <= len(candidates):
-            raise SimulatedRefusal(f"layers must be between 1 and {len(candidates)} here, got {layers}")
-        return candidates[:layers]
+        try:
+            return next_layers(self.swap_order, self.layer_bits, FULL_BITS, layers, bits)
+        except SwapRefused as exc:
+            raise SimulatedRefusal(str(exc)) from exc
 
     def set_bits(self, layers: list[int], bits: int) -> None:
-        """As LayerSwapper.set_bits: reclaim slot pages (moving live KV out first), or release them."""
-        reclaim = {i: range(self._slot(i).start + self.slot_pages[self.layer_bits[i]],
-                            self._slot(i).start + self.slot_pages[bits])
-                   for i in layers if self.slot_pages[bits] > self.slot_pages[self.layer_bits[i]]}
-        pages = {p for r in reclaim.values() for p in r}
+        """As LayerSwapper.set_bits, without weights: take slot pages back (moving live KV out first), or release
+        them."""
+        moves = {i: slot_moves(self._slot(i), self.slot_pages[self.layer_bits[i]], self.slot_pages[bits])
+                 for i in layers}
+        pages = {p for reclaim, _ in moves.values() for p in reclaim}
         if pages:
             try:
                 self.scheduler.evacuate(pages)
@@ -200,11 +198,11 @@ class SimExecutor:
                 raise SimulatedRefusal(f"restore refused: {exc.needed} live KV blocks need moving out of the "
                                        f"layers' slots, but only {exc.free} free KV pages are elsewhere") from exc
         for i in layers:
-            if i in reclaim:
-                self.ledger.assign_slot(i, reclaim[i])
-            held, need = self.slot_pages[self.layer_bits[i]], self.slot_pages[bits]
-            if need < held:
-                self.ledger.release_slot_pages(i, range(self._slot(i).start + need, self._slot(i).start + held))
+            reclaim, release = moves[i]
+            if reclaim:
+                self.ledger.assign_slot(i, reclaim)
+            if release:
+                self.ledger.release_slot_pages(i, release)
             self.layer_bits[i] = bits
 
     def _slot(self, layer: int) -> range:

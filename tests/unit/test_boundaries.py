@@ -22,12 +22,12 @@ from shared.config import PROJECT_ROOT
 SERVICES = PROJECT_ROOT / "services"
 PACKAGES = sorted(p.name for p in SERVICES.iterdir() if (p / "__init__.py").exists())
 SIMULATED_PARTS = {
-    "services.gateway.router", "services.monitor.aggregate", "services.controller.dispatch",
+    "services.gateway.router", "services.monitor.aggregate", "services.controller.dispatch", "services.controller.loop",
     "services.controller.policies", "services.controller.policies.interface", "services.controller.policies.ladder",
     "services.executor.engine.errors", "services.executor.engine.memory.block_manager",
     "services.executor.engine.memory.ledger", "services.executor.engine.scheduling.growth",
     "services.executor.engine.scheduling.scheduler", "services.executor.engine.scheduling.sequence",
-    "services.executor.latency", "services.executor.admission",
+    "services.executor.latency", "services.executor.admission", "services.executor.engine.morphing.slots",
     # the bench's experiment, rules and report, so that a simulation is measured and written as a run is
     "services.bench.capacity", "services.bench.client", "services.bench.events", "services.bench.metrics",
     "services.bench.modes", "services.bench.plots", "services.bench.quality", "services.bench.report",

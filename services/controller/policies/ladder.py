@@ -70,6 +70,14 @@ def plan(state: ClusterState, memory: LadderMemory, morph_settings: morph.Settin
     return splits + morph_commands + coco_commands, LadderMemory(morph_memory, coco_memory)
 
 
+def policies_for(config: ControllerConfig, profile: SpeedupProfile | None = None) -> list[Policy]:
+    """The controller's policies: the ladder when a lever `config` allows is on, else none (the process runs
+    anyway, so that deployments and the audit trail keep one shape whether or not anything morphs)."""
+    active = {"quantize": config.morph_mode != "off", "replicate": config.cocoserve_mode != "off",
+              "tp": config.amoebas}
+    return [make_policy(profile)] if any(active[lever] for lever in config.levers) else []
+
+
 def make_policy(profile: SpeedupProfile | None = None) -> Policy:
     """The controller-facing policy: modes, levers and overrides are read from ControllerConfig at each window."""
     memory = LadderMemory()

@@ -16,6 +16,7 @@ import torch
 from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.memory.arena import Arena
 from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
+from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.morphing.variants import VariantStore
 from services.executor.engine.scheduling.scheduler import Scheduler
 
@@ -64,17 +65,12 @@ class LayerSwapper:
         self._order = list(order)
 
     def next_layers(self, count: int, bits: int) -> list[int]:
-        """The `count` layers that going to `bits` takes next: quantizing walks the swap order over layers
-        wider than `bits`; restoring (full precision) walks it backwards over quantized layers, so the most
-        recently quantized come back first."""
-        current, full = self.model.layer_bits, self.model.full_bits
-        if bits == full:
-            candidates = [i for i in reversed(self._order) if current[i] < full]
-        else:
-            candidates = [i for i in self._order if current[i] > bits]
-        if not 1 <= count <= len(candidates):
-            raise SwapError(f"layers must be between 1 and {len(candidates)} here, got {count}")
-        return candidates[:count]
+        """The `count` layers that going to `bits` takes next (slots.next_layers: the swap order, backwards for a
+        restore)."""
+        try:
+            return next_layers(self._order, self.model.layer_bits, self.model.full_bits, count, bits)
+        except SwapRefused as exc:
+            raise SwapError(str(exc)) from exc
 
     def pages_for(self, bits: int) -> int:
         """Slot pages a layer occupies at `bits` (the rest of its slot serves as KV)."""
@@ -88,20 +84,19 @@ class LayerSwapper:
         bad = [i for i in layers if not 0 <= i < len(self.model.layers)]
         if bad or len(set(layers)) != len(layers):
             raise SwapError(f"layer indices must be distinct and in [0, {len(self.model.layers)}): {layers}")
-        reclaim = {i: range(self._slot(i).start + self.pages_for(self.model.layer_bits[i]),
-                            self._slot(i).start + self.pages_for(bits))
-                   for i in layers if self.pages_for(bits) > self.pages_for(self.model.layer_bits[i])}
-        relocated = self._vacate({p for pages in reclaim.values() for p in pages})
+        moves = {i: slot_moves(self._slot(i), self.pages_for(self.model.layer_bits[i]), self.pages_for(bits))
+                 for i in layers}
+        relocated = self._vacate({p for reclaim, _ in moves.values() for p in reclaim})
         released = 0
         for i in layers:
-            if i in reclaim:
-                self.arena.ledger.assign_slot(i, reclaim[i])
-            held, need = self.pages_for(self.model.layer_bits[i]), self.pages_for(bits)
+            reclaim, release = moves[i]
+            if reclaim:
+                self.arena.ledger.assign_slot(i, reclaim)
             self._write(i, bits)
-            if need < held:
-                self.arena.ledger.release_slot_pages(i, range(self._slot(i).start + need, self._slot(i).start + held))
-                released += held - need
-        reclaimed = sum(len(pages) for pages in reclaim.values())
+            if release:
+                self.arena.ledger.release_slot_pages(i, release)
+                released += len(release)
+        reclaimed = sum(len(reclaim) for reclaim, _ in moves.values())
         return SwapReport(list(layers), bits, released, reclaimed, relocated, time.perf_counter() - start)
 
     def restore(self, layers: list[int]) -> SwapReport:

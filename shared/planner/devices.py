@@ -11,6 +11,7 @@ for it needs a profile measured on it (`morphling profile --latency`) and an exp
 
 Sources (dense, no sparsity; the SXM part where both exist):
 - H100-80GB: NVIDIA H100 Tensor Core GPU datasheet (2023): 80 GB HBM3, 3.35 TB/s, FP16 989 TFLOPS.
+- H200-141GB: NVIDIA H200 Tensor Core GPU datasheet (2024): 141 GB HBM3e, 4.8 TB/s, FP16 989 TFLOPS.
 - A100-40GB / A100-80GB: NVIDIA A100 datasheet (2021): 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at
   2,039 GB/s, FP16 312 TFLOPS.
 - L4: NVIDIA L4 datasheet (2023): 24 GB GDDR6, 300 GB/s, FP16 121 TFLOPS (242 with sparsity).
@@ -60,6 +61,7 @@ def _gpu(name: str, memory_gb: float, bandwidth_gbs: float, tflops: float) -> De
 
 DEVICES: dict[str, Device] = {d.name: d for d in (
     _gpu("H100-80GB", 80, 3350, 989),
+    _gpu("H200-141GB", 141, 4800, 989),
     _gpu("A100-40GB", 40, 1555, 312),
     _gpu("A100-80GB", 80, 2039, 312),
     _gpu("L4", 24, 300, 121),

@@ -53,6 +53,7 @@ from services.executor.engine.model.decoder import ForwardBatch
 from services.executor.engine.scheduling.scheduler import SchedulerOutput
 from services.executor.tools.profile import write_json
 from services.executor.tools.profile_speedup import ProfileError, decoding, positive
+from services.executor.tools.shapes import SHAPES, ensure_checkpoint
 from shared.config import RESULTS_DIR, EngineConfig, parse_size, served_model_name
 from shared.planner.latency import FEATURES, FittedLatency, fit, fit_error
 from shared.provenance import provenance
@@ -298,7 +299,10 @@ def grid(batches: Iterable[int], sizes: Iterable[int]) -> list[Point]:
 def main(argv: list[str] | None = None) -> dict:
     cores = len(os.sched_getaffinity(0))
     ap = argparse.ArgumentParser(prog="morphling profile --latency", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="default",
+                    help="the served model's name, a checkpoint directory, or with --shape nothing")
+    ap.add_argument("--shape", help=f"a named shape ({', '.join(SHAPES)}) of random weights, written once into "
+                                    "~/.cache/morphling/shapes: a layer's time depends on its shape, not its weights")
     ap.add_argument("--memory-budget", default="800MiB",
                     help="the arena: the layers at full precision plus the KV of the largest decode batch")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -332,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
+    if args.shape:
+        args.model = str(ensure_checkpoint(args.shape, "bfloat16" if args.device == "cuda" else "float32",
+                                           device=args.device))
     everything = {phase: points[phase] + held[phase] for phase in FEATURES}
     longest = max(n for phase_points in everything.values() for _, n in phase_points)
     config = EngineConfig(model=args.model, device=args.device, memory_budget=parse_size(args.memory_budget),

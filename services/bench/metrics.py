@@ -75,17 +75,22 @@ def precision_share(records: list[RequestRecord], samples: list[ClusterSample]) 
     if not samples:
         return {}
     times = [s.time_s for s in samples]
+    # Each sample's mixes, as shares of its executors: counted once, not once per chunk that falls in it.
+    mixes: dict[int, dict[tuple[int, int], float]] = {}
     weights: dict[tuple[int, int], float] = defaultdict(float)
     for r in records:
         if not r.chunk_s:
             continue
         per_chunk = (r.completion_tokens or len(r.chunk_s)) / len(r.chunk_s)
         for t in r.chunk_s:
-            sample = samples[max(0, bisect.bisect_right(times, t) - 1)]
-            if not sample.executors:
-                continue
-            for e in sample.executors:
-                weights[quantized_mix(e["layers"])] += per_chunk / len(sample.executors)
+            index = max(0, bisect.bisect_right(times, t) - 1)
+            if index not in mixes:
+                executors = samples[index].executors
+                mixes[index] = defaultdict(float)
+                for e in executors:
+                    mixes[index][quantized_mix(e["layers"])] += 1 / len(executors)
+            for mix, share in mixes[index].items():
+                weights[mix] += per_chunk * share
     total = sum(weights.values())
     return {mix: w / total for mix, w in sorted(weights.items())} if total else {}
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from services.bench.capacity import Probe, search, steady_load
@@ -29,7 +30,7 @@ from services.bench.modes import MODES
 from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
 from services.bench.report import comparison, mode_summary, print_table, window_result
-from services.bench.trace import TraceError, read_rows
+from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation
 from services.simulator.fidelity import compare, print_fidelity
@@ -52,6 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ordinary", type=int, default=2, help="the k windows closest to the median")
     ap.add_argument("--load", type=float, default=1.0, help="the trace's median rate as a multiple of capacity")
     ap.add_argument("--rate-scale", type=float, help="play the trace at this rate multiplier instead")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="superpose this many copies of each window's requests (after --load or --rate-scale): "
+                         "a fleet far larger than the trace's own needs more users, not a faster clock")
     ap.add_argument("--probe-s", type=float, default=30.0, help="seconds of steady load per capacity probe")
     ap.add_argument("--probe-start", type=float, default=0.5, help="the first capacity probe's rate, req/s")
     ap.add_argument("--len-scale", type=float, default=0.1, help="token count multiplier")
@@ -89,7 +93,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.rate_scale is not None and args.rate_scale <= 0:
         ap.error("--rate-scale must be positive")
+    if args.copies < 1:
+        ap.error("--copies must be at least 1")
     return args
+
+
+def superposed(arrivals: list[TraceRequest], copies: int) -> list[TraceRequest]:
+    """`copies` copies of a window's requests, copy i shifted by i/copies of the window's mean gap between
+    arrivals: the volume grows `copies` times and every burst of the trace stays where it was."""
+    if copies == 1 or not arrivals:
+        return arrivals
+    span = arrivals[-1].arrival_s - arrivals[0].arrival_s
+    gap = span / max(1, len(arrivals) - 1)
+    out = [replace(r, arrival_s=r.arrival_s + i * gap / copies) for i in range(copies) for r in arrivals]
+    return sorted(out, key=lambda r: r.arrival_s)
 
 
 def settings_for(mode: str, args) -> SimSettings:
@@ -184,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         results[mode] = {}
         for w in windows:
-            arrivals = requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len)
+            arrivals = superposed(requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len),
+                                  args.copies)
             played, wall_s = simulate(fleet, settings_for(mode, args), arrivals)
             results[mode][w.name] = window_report(played, wall_s, args, table, model)
             print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "

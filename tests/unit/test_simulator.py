@@ -213,3 +213,14 @@ def test_compare_replays_a_run_at_its_rate_and_reports_signed_errors(tmp_path):
     row = next(iter(compare(json.loads((first / "results.json").read_text()), measured)["fp16"]["windows"].values()))
     assert row["ttft_p95"]["error"] == pytest.approx(-0.5)
     assert row["actions"] == {"measured": {"quantize": 1}, "predicted": {}}
+
+
+def test_copies_multiply_the_volume_and_keep_every_burst_in_place():
+    window = [TraceRequest(0.0, 10, 2), TraceRequest(0.1, 11, 3), TraceRequest(4.0, 12, 4)]
+    played = simulate_cli.superposed(window, 4)
+    assert len(played) == 12 and played == sorted(played, key=lambda r: r.arrival_s)
+    gap = 4.0 / 2  # the window's mean gap between arrivals
+    assert [r.arrival_s for r in played if r.prompt_tokens == 12] == [4.0 + i * gap / 4 for i in range(4)]
+    # copies are spread over less than one gap: the burst at 0-0.1 s stays a burst at 0-1.6 s, before 4 s
+    assert max(r.arrival_s for r in played if r.prompt_tokens < 12) < 4.0
+    assert simulate_cli.superposed(window, 1) is window

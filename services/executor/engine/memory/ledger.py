@@ -66,7 +66,7 @@ class PageLedger:
             self._slot_of[p] = layer
             self._was_slot[p] = True
         self._slot_pages += len(pages)
-        self._rebuild_heap()
+        self._compact_heap()
 
     def release_slot_pages(self, layer: int, pages: range) -> None:
         """Turn pages of `layer`'s slot (its tail, after quantization) into free KV pages."""
@@ -238,3 +238,9 @@ class PageLedger:
     def _rebuild_heap(self) -> None:
         self._free_heap = [-p for p in self._free]
         heapq.heapify(self._free_heap)
+
+    def _compact_heap(self) -> None:
+        """Drop the heap's stale ids once they outnumber the free pages: allocate skips them anyway, and
+        rebuilding after every slot would make laying out an arena quadratic in its pages."""
+        if len(self._free_heap) > 2 * len(self._free) + 64:
+            self._rebuild_heap()

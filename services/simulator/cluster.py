@@ -15,6 +15,13 @@ that do, all imported from the services:
 - a command reaches its executor after `bus_latency_s`, waits for the step boundary, takes what
   costs.swap_seconds says (the executor steps nothing meanwhile, as the engine thread is busy swapping), and
   its answer returns after `bus_latency_s` more.
+- a request longer than its instance holds even empty (the executor's KV_CAPACITY refusal) goes to the
+  gateway's AMOEBAs merge scheduler (merges.py, over gateway/tp_merges.py's and shared/tp_scheduler.py's
+  decisions): it waits for the merge that holds it, whose tp_merge every member takes at its own step
+  boundary; the merge happens once the last of them is there (the collective), and the request is admitted
+  on the merged leader once the monitor's state shows it.
+Executors: several join one world, as `morphling up` starts them (each a TP1 instance that can merge); with
+`spare`, bench/modes.py's spare plan makes instances of two (CoCoServe's start, instance.py).
 Events in the audit shape (`command`, `pressure`) are kept so that the bench's events.actions and
 events.reaction read a simulation as they read a real run.
 """
@@ -29,13 +36,18 @@ from services.controller.dispatch import sendable
 from services.controller.loop import Controller
 from services.controller.policies import ladder
 from services.controller.policies.interface import PlannedCommand
-from services.executor.engine.errors import QueueFullError
+from services.bench.modes import spare_plan
+from services.executor.engine.errors import KvCapacityError, QueueFullError
 from services.gateway.router import choose_executor
 from services.monitor.aggregate import ClusterView
+from services.simulator import tp
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fleet import Fleet
+from services.simulator.instance import SimInstance
+from services.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event, pressure_events
+from shared.messages import ClusterState, Event, TpMergeArgs, pressure_events
+from shared.plans import alone, parse_plans
 
 MODEL = "simulated"
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
@@ -50,6 +62,7 @@ class SimSettings:
     sample_interval_s: float = 0.25  # the bench's cluster poll
     bus_latency_s: float = 0.001
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
+    spare: bool = False  # instances of two, every layer on the first (bench/modes.py's spare plan)
 
 
 @dataclass
@@ -65,7 +78,12 @@ class SimRun:
 class Simulation:
     def __init__(self, fleet: Fleet, settings: SimSettings):
         self.fleet, self.settings = fleet, settings
-        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits) for s in fleet.executors}
+        in_world = len(fleet.executors) > 1
+        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=in_world)
+                          for s in fleet.executors}
+        self._form_world()
+        self.merges = MergeRoom(self, settings.controller.split_free_fraction)
+        self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
         self.view = ClusterView(settings.monitor)
         self.controller = Controller(settings.controller, ladder.policies_for(settings.controller))
         self.state: ClusterState | None = None
@@ -84,6 +102,19 @@ class Simulation:
         self.decisions, self.plan_seconds = 0, 0.0
         self._ended = 0  # requests finished or refused
 
+    def _form_world(self) -> None:
+        names = list(self.executors)
+        if len(names) < 2:
+            return
+        num_layers = self.fleet.shape.num_layers
+        for name, e in self.executors.items():
+            e.world, e.plan = names, alone(name, num_layers, self.settings.static_bits)
+        if self.settings.spare:
+            if len(names) % 2:
+                raise ValueError(f"the spare plan runs instances of two executors; the fleet has {len(names)}")
+            for plan in parse_plans(spare_plan(len(names), num_layers), names, num_layers):
+                SimInstance(plan, {m: self.executors[m] for m in plan.members}, self.fleet.max_model_len)
+
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:
         heapq.heappush(self._heap, (t, next(self._order), handler, args))
@@ -95,7 +126,7 @@ class Simulation:
         self.at(0.0, self._tick)
         self.at(0.0, self._sample)
         for r in requests:
-            self.at(r.arrival_s, self._arrive, r)
+            self.at(r.arrival_s, self.arrive, r)
         end = max((r.arrival_s for r in requests), default=0.0) + self.settings.drain_s
         while self._heap and self._heap[0][0] <= end and self._ended < len(requests):
             self.now, _, handler, args = heapq.heappop(self._heap)
@@ -106,7 +137,7 @@ class Simulation:
         return SimRun(requests, self.samples, self.events, self.now, self.decisions, self.plan_seconds)
 
     # --- requests -----------------------------------------------------------------------------------
-    def _arrive(self, request: SimRequest) -> None:
+    def arrive(self, request: SimRequest) -> None:
         refused: set[str] = set()
         while (name := choose_executor(self.state, refused, MODEL)) is not None:
             try:
@@ -115,10 +146,29 @@ class Simulation:
                 refused.add(name)
                 self._after_pressure(name)
                 continue
+            except KvCapacityError:
+                self.merges.make_room(request)
+                return
             self._kick(name)
             return
-        request.done_s, request.error = self.now, "no executor could take it (queues full or none serving)"
+        self.fail(request, "no executor could take it (queues full or none serving)")
+
+    def fail(self, request: SimRequest, error: str) -> None:
+        request.done_s, request.error = self.now, error
         self._ended += 1
+
+    def admit_on(self, name: str, request: SimRequest) -> None:
+        """Admit `request` on the leader a merge made room on (the gateway's admission after make_room)."""
+        try:
+            self.executors[name].admit(request, self.now)
+        except (QueueFullError, KvCapacityError) as exc:
+            self.fail(request, f"refused after the merge that was to hold it: {exc}")
+            return
+        self._kick(name)
+
+    def send(self, name: str, commands: list[PlannedCommand]) -> None:
+        """A command from the gateway (a merge): delivered as the controller's are, outside its bookkeeping."""
+        self.at(self.now + self.settings.bus_latency_s, self._deliver, name, commands, self.now)
 
     def _kick(self, name: str) -> None:
         """Start a step on an idle executor that has work."""
@@ -185,6 +235,9 @@ class Simulation:
         executor, elapsed = self.executors[name], 0.0
         batch, self._inbox[name] = self._inbox.get(name, []), []
         for decided, planned in batch:
+            if isinstance(planned.args, TpMergeArgs):
+                self._at_merge(name, decided, planned, elapsed)
+                return
             try:
                 state, seconds = executor.apply(planned.args)
                 ok, error = True, None
@@ -200,6 +253,31 @@ class Simulation:
                 break
         self._blocked.add(name)
         self.at(self.now + elapsed, self._applied, name, self.now + elapsed + self.settings.bus_latency_s)
+
+    def _at_merge(self, name: str, decided: float, planned: PlannedCommand, elapsed: float) -> None:
+        """A member at a merge's collective: it waits there (steps nothing) until every member has come; then
+        they merge, or all refuse alike."""
+        args = planned.args
+        self._blocked.add(name)
+        arrived = self._merging.setdefault(args.instance, set())
+        arrived.add(name)
+        if arrived != set(args.executors):
+            return
+        del self._merging[args.instance]
+        start = self.now + elapsed
+        try:
+            _, state, seconds = tp.merge({n: self.executors[n] for n in args.executors}, args, start)
+            ok, error = True, None
+        except SimulatedRefusal as exc:
+            state, seconds, ok, error = {}, 0.0, False, str(exc)
+        for member in args.executors:
+            answered = start + seconds + self.settings.bus_latency_s
+            self.events.append(Event(kind="command", source="gateway", time=answered, data={
+                "executor": member, "kind": args.kind, "args": args.model_dump(by_alias=True), "ok": ok,
+                "error": error, "latency_s": answered - decided, "state": state | {"seconds": seconds},
+                "reason": planned.reason}))
+            self.at(start + seconds, self._applied, member, answered)
+        self.merges.answered(args.instance, ok, error)
 
     def _applied(self, name: str, answered: float) -> None:
         self._blocked.discard(name)

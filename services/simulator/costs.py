@@ -9,6 +9,10 @@
 - A swap of one layer: the measured seconds where the fleet gives them (docs/benchmarks.md has this CPU's),
   else copying the layer's weights at the target bits at the device's memory bandwidth (a restore copies full
   precision back; a quantize writes the smaller variant).
+- A hop between two executors (a step's hidden states, an operation's weights and KV): the speed-up
+  profile's hop line over the bytes moved (services/simulator/fleet.py).
+- An operation on an instance (replicate, migrate, evict, tp_merge, tp_split): the measured line over the
+  layers it moves where the fleet gives one, else the bytes it moves over the hop line.
 """
 
 from collections import Counter
@@ -21,19 +25,39 @@ from shared.planner.roofline import MEMORY_EFFICIENCY
 from shared.planner.shapes import ModelShape
 
 
-def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence[ScheduledChunk]) -> float:
+def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk]) -> float:
+    """One decoder layer at `bits` over `chunks`: their decodes as one batch, each prefill chunk alone."""
+    if not chunks:
+        return 0.0
     decodes = [c for c in chunks if c.length == 1 and c.start >= len(c.seq.prompt_ids)]
     prefills = [c for c in chunks if not (c.length == 1 and c.start >= len(c.seq.prompt_ids))]
     seconds = 0.0
-    for bits, layers in Counter(layer_bits).items():
-        per_layer = 0.0
-        if decodes:
-            context = sum(c.start + 1 for c in decodes) / len(decodes)
-            per_layer += spec.latency.decode(bits, len(decodes), int(context))
-        for c in prefills:
-            per_layer += spec.latency.prefill(bits, 1, c.length)
-        seconds += layers * per_layer
+    if decodes:
+        context = sum(c.start + 1 for c in decodes) / len(decodes)
+        seconds += spec.latency.decode(bits, len(decodes), int(context))
+    return seconds + sum(spec.latency.prefill(bits, 1, c.length) for c in prefills)
+
+
+def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence[ScheduledChunk]) -> float:
+    """A step of an executor serving alone."""
+    seconds = sum(layers * layer_seconds(spec, bits, chunks) for bits, layers in Counter(layer_bits).items())
     return seconds + spec.overhead.at(sum(c.length for c in chunks))
+
+
+def hop_seconds(spec: ExecutorSpec, nbytes: float) -> float:
+    return spec.hop.at(nbytes) if nbytes > 0 else 0.0
+
+
+def hidden_bytes(shape: ModelShape, dtype_bytes: int, tokens: int) -> int:
+    """The hidden states of `tokens` tokens, as a hop carries them."""
+    return tokens * shape.hidden_size * dtype_bytes
+
+
+def operation_seconds(spec: ExecutorSpec, kind: str, layers: int, nbytes: float) -> float:
+    """An operation on an instance moving `layers` layers and `nbytes` bytes between its members."""
+    if kind in spec.operation_s:
+        return spec.operation_s[kind].at(layers)
+    return hop_seconds(spec, nbytes)
 
 
 def swap_seconds(spec: ExecutorSpec, shape: ModelShape, kind: str, bits: int) -> float:

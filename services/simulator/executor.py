@@ -11,14 +11,20 @@ what costs.swap_seconds says, and tokens carry no values (every generated token 
 max_tokens, as the bench asks with ignore_eos).
 
 Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
-that the monitor and the controller read a simulated executor exactly as a real one.
+that the monitor and the controller read a simulated executor exactly as a real one, with what the service
+reports of instances: the plan it serves in, the batch cap, a slot's pages, the pages a replica may take, its
+world with its KV head units at each TP degree it could merge into, and a merge's hold.
+
+In an instance of several executors (instance.py: CoCoServe's placements and replicas; tp.py: an AMOEBAs
+merge) the leader's scheduler is the instance's, whose block ids every member backs with pages of its arena;
+`hold` and `map_blocks` keep this arena's slots and backing pages as the fabric's member keeps them.
 """
 
 import math
 from dataclasses import dataclass, field
 
 from services.executor.admission import Departures, admits
-from services.executor.engine.errors import OutOfPagesError, QueueFullError
+from services.executor.engine.errors import KvCapacityError, OutOfPagesError, QueueFullError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
@@ -28,16 +34,28 @@ from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.simulator import costs
 from services.simulator.fleet import ExecutorSpec, Fleet
+from services.simulator.instance import SimulatedRefusal
+from services.simulator.member import MemberArena
 from shared.config import ExecutorConfig
-from shared.messages import ExecutorTelemetry, KvPages, QuantizeArgs, RestoreArgs
+from shared.messages import (
+    BatchArgs,
+    CommandArgs,
+    EvictArgs,
+    ExecutorTelemetry,
+    InstancePlan,
+    KvUnits,
+    MigrateArgs,
+    QuantizeArgs,
+    ReplicateArgs,
+    RestoreArgs,
+    TpSplitArgs,
+)
 from shared.planner.memory import FULL_BITS, weight_bytes
+from shared.plans import alone_id
 from shared.sampling import SamplingOptions
 
 LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
-
-
-class SimulatedRefusal(Exception):
-    """A command the simulated executor refuses as the real one would (nothing changed)."""
+__all__ = ["SimExecutor", "SimRequest", "SimulatedRefusal"]
 
 
 @dataclass
@@ -58,8 +76,11 @@ class SimRequest:
     token_bits: dict[tuple[int, int], int] = field(default_factory=dict)  # (INT8, INT4 layers) -> tokens
 
 
-class SimExecutor:
-    def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0):
+class SimExecutor(MemberArena):
+    def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
+                 in_world: bool = False):
+        """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
+        holds the longest sequence)."""
         self.spec, self.id, self.shape = spec, spec.id, fleet.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
         block = self.limits.block_size
@@ -67,11 +88,12 @@ class SimExecutor:
         self.slot_pages = {bits: math.ceil(weight_bytes(self.shape, bits, spec.dtype_bytes) / self.page_bytes)
                            for bits in (FULL_BITS, 8, 4)}
         num_pages = spec.memory // self.page_bytes
-        need = self.shape.num_layers * self.slot_pages[FULL_BITS] + math.ceil(self.max_model_len / block)
+        need = self.shape.num_layers * self.slot_pages[FULL_BITS] + (
+            1 if in_world else math.ceil(self.max_model_len / block))
         if num_pages < need:
             raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
-                             f"{self.page_bytes} bytes; the layers and one sequence of {self.max_model_len} "
-                             f"tokens need {need}")
+                             f"{self.page_bytes} bytes; the layers and " + ("one block" if in_world else
+                             f"one sequence of {self.max_model_len} tokens") + f" need {need}")
         self.ledger = PageLedger(num_pages)
         for layer in range(self.shape.num_layers):
             self.ledger.assign_slot(layer, self._slot(layer))
@@ -90,6 +112,13 @@ class SimExecutor:
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
         self.stepping: SchedulerOutput | None = None
         self.step_started_s = 0.0
+        self.held = set(range(self.shape.num_layers))  # layers whose slot holds their weights
+        self.world: list[str] = []  # the executors it can merge with (`up` puts several in one world)
+        self.plan: InstancePlan | None = None  # None: outside any world, as the service reports it
+        self.group = None  # the instance of several executors it serves in (instance.py, tp.py)
+        self.mapped: list[int] = []  # in an instance: the pages of ours backing its blocks, by block id
+        self.hold_until = 0.0  # a merged instance's leader: no split before
+        self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         if static_bits != FULL_BITS:
             self.set_bits(list(range(self.shape.num_layers)), static_bits)
 
@@ -101,6 +130,10 @@ class SimExecutor:
         if not admits(len(self.scheduler.waiting), departures, span_s, self.max_queue_wait_s):
             self.rejected += 1
             raise QueueFullError(len(self.scheduler.waiting), self.limits.max_waiting)
+        blocks, capacity = self.blocks_at_end(request.prompt_tokens, request.output_tokens), self.kv_capacity()
+        if blocks > capacity:
+            raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,
+                                  capacity)
         params = SamplingOptions(max_tokens=request.output_tokens, ignore_eos=True)
         seq = Sequence(str(request.index), 0, [0] * request.prompt_tokens, params, now)
         try:
@@ -118,7 +151,14 @@ class SimExecutor:
             return None
         self.stepping, self.step_started_s = out, now
         self.busy.begin(now)
-        return costs.step_seconds(self.spec, self.layer_bits, out.chunks)
+        if self.group is None:
+            return costs.step_seconds(self.spec, self.layer_bits, out.chunks)
+        seconds, parts = self.group.step_seconds(out.chunks)
+        for name, member in self.group.members.items():
+            if name != self.id and parts[name] > 0:
+                member.busy.begin(now)
+                member.busy.end(now + parts[name])
+        return seconds
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
@@ -152,6 +192,8 @@ class SimExecutor:
 
     def _finish(self, request_id: str, now: float, error: str | None = None) -> SimRequest:
         request = self.requests.pop(request_id)
+        if self.group is not None:
+            self.group.forget(request_id)
         request.done_s, request.error = now, error
         tpot = ((request.last_token_s - request.first_token_s) / (request.tokens - 1)
                 if request.tokens > 1 else None)
@@ -162,9 +204,22 @@ class SimExecutor:
         return request
 
     # --- morphing ---------------------------------------------------------------------------------
-    def apply(self, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
-        """Apply a swap command between two steps: (the result's state, the seconds it took). Refuses with
-        SimulatedRefusal, changing nothing, as the executor would."""
+    def apply(self, args: CommandArgs) -> tuple[dict, float]:
+        """Apply a command between two steps: (the result's state, the seconds it took). Refuses with
+        SimulatedRefusal, changing nothing, as the executor would (services/executor/service.py)."""
+        if self.group is not None and self.group.plan.leader != self.id:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} is a member of instance {self.group.plan.id}, "
+                                   f"which morphs as a whole: send it to its leader {self.group.plan.leader}")
+        if isinstance(args, TpSplitArgs):
+            if self.group is None or not self.group.plan.merged or self.group.plan.id != args.instance:
+                raise SimulatedRefusal(f"tp_split refused: {self.id} leads no instance {args.instance!r} formed by "
+                                       f"tp_merge: it has nothing to split back into")
+            return self.group.split()
+        if isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
+            return self._instance_command(args)
+        if self.group is not None and (isinstance(args, (QuantizeArgs, RestoreArgs))):
+            raise SimulatedRefusal(f"{args.kind} refused: the simulator swaps layers of executors serving alone "
+                                   f"only, and {self.id} leads instance {self.group.plan.id}")
         if isinstance(args, QuantizeArgs):
             layers = self._next_layers(args.layers, args.bits)
             bits, kind = args.bits, "quantize"
@@ -172,10 +227,28 @@ class SimExecutor:
             layers = self._next_layers(args.layers, FULL_BITS)
             bits, kind = FULL_BITS, "restore"
         else:
-            raise SimulatedRefusal(f"{args.kind} refused: {self.id} serves alone (no instance to reshape)")
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} takes no {args.kind} here")
         self.set_bits(layers, bits)
         return ({"layers": list(self.layer_bits), "changed": layers},
                 len(layers) * costs.swap_seconds(self.spec, self.shape, kind, bits))
+
+    def _instance_command(self, args: ReplicateArgs | MigrateArgs | EvictArgs | BatchArgs) -> tuple[dict, float]:
+        instance = self.group.plan.id if self.group is not None else (self.plan.id if self.plan else alone_id(self.id))
+        if args.instance != instance:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} leads instance {instance!r}, not {args.instance!r}")
+        if self.group is not None and self.group.plan.merged:
+            raise SimulatedRefusal(f"{args.kind} refused: instance {instance} is a TP merge, which serves at the bits "
+                                   f"its layers had when it formed: {args.kind} it after its split")
+        if isinstance(args, BatchArgs):
+            if not 1 <= args.max_num_seqs <= self.limits.max_num_seqs:
+                raise SimulatedRefusal(f"batch refused: max_num_seqs must be between 1 and {self.limits.max_num_seqs} "
+                                       f"(the engine's configured batch), got {args.max_num_seqs}")
+            before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, args.max_num_seqs
+            return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}, 0.0
+        if self.group is None:
+            raise SimulatedRefusal(f"{args.kind} refused: instance {instance} has one member: nowhere to move "
+                                   f"layers to")
+        return self.group.reshape(args)
 
     def _next_layers(self, layers: int | list[int], bits: int) -> list[int]:
         if isinstance(layers, list):
@@ -211,20 +284,22 @@ class SimExecutor:
 
     # --- telemetry --------------------------------------------------------------------------------
     def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
-        snap = self.ledger.snapshot()
+        leads = self.group is None or self.group.plan.leader == self.id
+        waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         return ExecutorTelemetry(
             executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
-            block_size=self.limits.block_size, page_bytes=self.page_bytes,
-            kv=KvPages(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
-                       pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
-                       pages_extension=snap.pages_extension),
-            layers=list(self.layer_bits), swap_order=list(self.swap_order),
+            block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self._kv_pages(),
+            layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
+            world=list(self.world), kv_units=self.kv_units(), spare_pages=self.ledger.num_free if self.group else 0,
+            longest_blocks=max((self.blocks_at_end(len(s.prompt_ids), s.params.max_tokens) for s in waiting),
+                               default=0),
+            merge_hold_s=max(0.0, self.hold_until - now) if self.group is not None else 0.0,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             max_waiting=self.limits.max_waiting, preemptions=self.scheduler.num_preemptions,
             admission_blocked=self.scheduler.num_admission_blocked, rejected=self.rejected,
             prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
             queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
-            max_num_seqs=self.scheduler.max_num_seqs, requests=self.finished.drain(),
+            max_num_seqs=self.scheduler.max_num_seqs if leads else 0, requests=self.finished.drain(),
             pages_growth=pages_growth(self.scheduler.running, self.blocks, self.max_model_len),
             busy=self.busy.share(now),
             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads)

@@ -24,6 +24,13 @@ A fleet file is JSON:
 - `engine` overrides EngineConfig's limits, the same for every executor.
 - `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
   it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
+- `operation_s`: the measured seconds of the operations on instances of several executors, each a line
+  `{"intercept_s": ..., "per_layer_s": ...}` over the layers it moves (CoCoServe's `replicate`, `migrate`,
+  `evict`: docs/benchmarks.md, "CoCoServe's operations: cost by number of layers"; AMOEBAs' `tp_merge` and
+  `tp_split`, whose layers are all the model's: "AMOEBAs: what a runtime TP merge and split cost"). An
+  operation it leaves out is modelled as its bytes (weights, KV rows or heads) over the hop line below.
+- The hop line (seconds over the bytes moved between two executors: hidden states of a step, weights and KV
+  of an operation) is the `speedup_profile`'s; without one, the device's link bandwidth (devices table).
 """
 
 import json
@@ -40,6 +47,7 @@ from shared.speedup import Line, SpeedupProfile, SpeedupProfileError
 
 DEFAULT_MODEL = "smollm2-135m"
 ENGINE_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "max_model_len")
+OPERATIONS = ("replicate", "migrate", "evict", "tp_merge", "tp_split")
 
 
 class FleetError(ValueError):
@@ -63,7 +71,9 @@ class ExecutorSpec:
     dtype_bytes: int
     latency: FittedLatency | RooflineLatency
     overhead: Line  # seconds of a step outside the decoder layers, over the tokens it computes
+    hop: Line = Line(0.0, 0.0)  # seconds to move B bytes to another executor, over B
     swap_s: dict[str, float] = field(default_factory=dict)  # measured "quantize"/"restore" seconds per layer
+    operation_s: dict[str, Line] = field(default_factory=dict)  # measured seconds of an operation, over its layers
 
 
 @dataclass(frozen=True)
@@ -127,14 +137,30 @@ def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, ba
     if "speedup_profile" in entry:
         path = base / entry["speedup_profile"]
         try:
-            overhead = SpeedupProfile.from_dict(_read_json(path, "speed-up profile"), str(path)).step_overhead
+            profile = SpeedupProfile.from_dict(_read_json(path, "speed-up profile"), str(path))
         except SpeedupProfileError as exc:
             raise FleetError(f"{where}: {exc}") from exc
+        overhead, hop = profile.step_overhead, profile.hop
     elif device.modelled:
-        overhead = lm_head_overhead(device, shape, dtype_bytes)
+        overhead, hop = lm_head_overhead(device, shape, dtype_bytes), Line(0.0, 1.0 / device.link)
     else:
         raise FleetError(f"{where}: {device.name} needs a speedup_profile for the rest of a step")
-    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead) for i in range(count)]
+    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead, hop)
+            for i in range(count)]
+
+
+def _operation_lines(given: object, where: str) -> dict[str, Line]:
+    if not isinstance(given, dict) or set(given) - set(OPERATIONS):
+        raise FleetError(f"{where}: operation_s takes lines for {', '.join(OPERATIONS)}, got {given!r}")
+    lines = {}
+    for name, line in given.items():
+        numbers = [line.get(k) for k in ("intercept_s", "per_layer_s")] if isinstance(line, dict) else [None]
+        if set(line if isinstance(line, dict) else ()) != {"intercept_s", "per_layer_s"} or not all(
+                isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise FleetError(f"{where}: operation_s.{name} must be {{\"intercept_s\": s, \"per_layer_s\": s}} "
+                             f"with seconds >= 0, got {line!r}")
+        lines[name] = Line(float(numbers[0]), float(numbers[1]))
+    return lines
 
 
 def read_fleet(path: str | Path) -> Fleet:
@@ -142,7 +168,7 @@ def read_fleet(path: str | Path) -> Fleet:
     data = _read_json(path, "fleet file")
     if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
         raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
-    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer"}
+    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s"}
     if unknown:
         raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
     name = data.get("model", "default")
@@ -158,6 +184,7 @@ def read_fleet(path: str | Path) -> Fleet:
     if not isinstance(swap, dict) or set(swap) - {"quantize", "restore"} or not all(
             isinstance(v, (int, float)) and v >= 0 for v in swap.values()):
         raise FleetError(f"{path}: swap_s_per_layer takes quantize and restore seconds, got {swap!r}")
+    operations = _operation_lines(data.get("operation_s", {}), str(path))
     specs: list[ExecutorSpec] = []
     for i, entry in enumerate(data["executors"]):
         specs += _executor_specs(entry, f"{path}: executors[{i}]", shape, len(specs), path.parent)
@@ -165,4 +192,4 @@ def read_fleet(path: str | Path) -> Fleet:
     if unmodelled and set(swap) != {"quantize", "restore"}:
         raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
                          f"swap_s_per_layer (quantize and restore, as measured there)")
-    return Fleet(shape, limits, [replace(s, swap_s=dict(swap)) for s in specs])
+    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations) for s in specs])

@@ -10,9 +10,13 @@ generated at (bench/quality.py, exact per token here), since simulated tokens ca
 Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second,
 the controller's decisions per simulated minute and the wall seconds its policies took per decision.
 
-Modes: fp16, int8, int4, morph and ladder. Instances of several executors (CoCoServe's operations, AMOEBAs'
-merges) are not simulated: cocoserve and amoebas are refused, and the ladder's replicate and tp rungs find
-nothing to move on executors alone, as in the bench's own ladder shape.
+Modes: all the bench's. The fleet's executors run every mode, as `morphling bench --executors N` does
+(bench/modes.py): several join one world; cocoserve starts from the spare plan (instances of two, every layer
+on the first, replicated, migrated, evicted and its batch cut by the controller); amoebas serves them alone
+and merges them for a request none holds (the gateway's merges) and splits after (the controller's). The
+ladder runs every lever on executors alone: its replicate rung finds no instance of several to act on, as in
+the bench's own ladder shape; its tp rung splits what the gateway merged. A mode whose shape the fleet cannot
+take (cocoserve on an odd count) fails with the fleet's error.
 """
 
 import argparse
@@ -40,7 +44,7 @@ from shared.provenance import provenance
 
 DEFAULT_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
 DEFAULT_FLEET = Path(__file__).parent / "fleets" / "cpu-bench.json"
-SIMULATED = ("fp16", "int8", "int4", "morph", "ladder")
+SIMULATED = ("fp16", "int8", "int4", "morph", "cocoserve", "amoebas", "ladder")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -75,8 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in SIMULATED for m in args.modes) or len(set(args.modes)) != len(args.modes):
-        ap.error(f"--modes takes each of {', '.join(SIMULATED)} at most once (instances of several executors, "
-                 f"which cocoserve and amoebas need, are not simulated); got {','.join(args.modes) or 'nothing'}")
+        ap.error(f"--modes takes each of {', '.join(SIMULATED)} at most once; got {','.join(args.modes) or 'nothing'}")
     args.modes.sort(key=lambda m: m != "fp16")
     if args.compare is not None:
         try:
@@ -116,7 +119,8 @@ def settings_for(mode: str, args) -> SimSettings:
                                   cocoserve_mode="default" if "replicate" in m.levers else "off",
                                   amoebas="tp" in m.levers)
     monitor = MonitorConfig(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
-    return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, drain_s=args.drain_timeout)
+    return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, drain_s=args.drain_timeout,
+                       spare=m.spare)
 
 
 def simulate(fleet, settings: SimSettings, arrivals) -> tuple[SimRun, float]:

@@ -17,11 +17,11 @@ from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
 from services.simulator import run as simulate_cli
 from services.simulator.cluster import SimSettings, Simulation
-from services.simulator.executor import SimExecutor, SimulatedRefusal
+from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fidelity import compare
 from services.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
-from shared.messages import QuantizeArgs, RestoreArgs
+from shared.messages import BatchArgs, EvictArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 
 PAGE = 737_280
@@ -30,7 +30,7 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_
 PREFILL_S, DECODE_S, OVERHEAD_S = 0.002, 0.001, 0.010  # per layer, per layer, per step
 
 
-def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, **engine) -> Path:
+def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float = 0.0, **engine) -> Path:
     """A fleet of `count` cpu executors whose layer takes PREFILL_S per prefill chunk and DECODE_S per decode
     step whatever their size, and whose step costs OVERHEAD_S more."""
     fitted = FittedLatency("cpu", SHAPE, {
@@ -39,7 +39,7 @@ def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, **engine) -> P
     (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))
     speedup = {"kind": "speedup-profile", "model": "default", "device": "cpu", "threads": 1, "num_layers": 30,
                "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
-               "hop": {"intercept_s": 0.0, "per_byte_s": 0.0},
+               "hop": {"intercept_s": hop_s, "per_byte_s": 0.0},
                "step_overhead": {"intercept_s": OVERHEAD_S, "per_token_s": 0.0}}
     (tmp_path / "speedup.json").write_text(json.dumps(speedup))
     fleet = {"model": "default",
@@ -186,7 +186,7 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
     assert "TTFT p50" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [(["--modes", "fp16,cocoserve"], "not simulated"),
+@pytest.mark.parametrize("argv, message", [(["--modes", "fp16,fp16"], "at most once"),
                                            (["--modes", "morph"], "add fp16"),
                                            (["--window-s", "0"], "--window-s must be positive")])
 def test_bad_arguments_are_refused(argv, message, capsys):
@@ -224,3 +224,86 @@ def test_copies_multiply_the_volume_and_keep_every_burst_in_place():
     # copies are spread over less than one gap: the burst at 0-0.1 s stays a burst at 0-1.6 s, before 4 s
     assert max(r.arrival_s for r in played if r.prompt_tokens < 12) < 4.0
     assert simulate_cli.superposed(window, 1) is window
+
+
+# --- instances of several executors ---------------------------------------------------------------------------
+def spare_cluster(tmp_path, pages=800, hop_s=0.0, levers=()) -> Simulation:
+    fleet = read_fleet(write_fleet(tmp_path, pages=pages, count=2, hop_s=hop_s))
+    return Simulation(fleet, SimSettings(controller=ControllerConfig(levers=levers), spare=True))
+
+
+def a_step_of_two_prompts(leader):
+    for i in range(2):
+        leader.admit(SimRequest(i, 0.0, 100, 5), 0.0)
+    return leader.start_step(0.0)
+
+
+def test_a_replicate_takes_the_replicas_slots_and_splits_the_batch(tmp_path):
+    sim = spare_cluster(tmp_path, hop_s=0.005)
+    leader, spare = sim.executors["exec0"], sim.executors["exec1"]
+    # exec0 holds 30 slots of 20 pages: 200 of its 800 pages are outside, and the instance has 200 blocks; exec1
+    # holds none, backs those 200 blocks and has 600 pages spare.
+    before = spare.telemetry(0.0, "m")
+    assert (before.plan.id, before.spare_pages, leader.telemetry(0.0, "m").kv.pages_free) == ("i0", 600, 200)
+    state, seconds = leader.apply(ReplicateArgs(instance="i0", layers=[0, 9], to="exec1"))
+    after = spare.telemetry(0.0, "m")
+    assert after.spare_pages == 400 and after.kv.pages_slot == 200 and state["blocks_after"] == 200
+    assert [layer.placement for layer in after.plan.layers[9:11]] == [["exec0", "exec1"], ["exec0"]]
+    assert seconds == pytest.approx(0.005)  # no measured line: the weights over the hop line, all intercept
+    # Two prompts: layers 0-9 computed side by side, one prompt each (exec1's with a hop there and back), then
+    # layers 10-29 on exec0 with both: 10*0.002 + 2*0.005 + 20*2*0.002 + 0.010 = 0.12 s, against 0.13 s alone.
+    assert a_step_of_two_prompts(leader) == pytest.approx(0.12)
+    assert spare.busy.share(0.5) == pytest.approx(0.02 / 1.0)
+
+
+def test_a_step_of_the_spare_plan_is_the_leaders_alone(tmp_path):
+    leader = spare_cluster(tmp_path).executors["exec0"]
+    assert a_step_of_two_prompts(leader) == pytest.approx(30 * 2 * PREFILL_S + OVERHEAD_S)
+
+
+@pytest.mark.parametrize("args, why", [
+    (EvictArgs(instance="i0", layers=[0, 3], source="exec1"), "no replica on exec1"),
+    (ReplicateArgs(instance="i9", layers=[0, 3], to="exec1"), "not 'i9'"),
+    (BatchArgs(instance="i0", max_num_seqs=10_000), "max_num_seqs must be between"),
+    (QuantizeArgs(layers=2, bits=8), "leads instance i0")])
+def test_a_refused_command_changes_nothing(tmp_path, args, why):
+    sim = spare_cluster(tmp_path)
+    before = {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()}
+    with pytest.raises(SimulatedRefusal, match=why):
+        sim.executors["exec0"].apply(args)
+    assert {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()} == before
+
+
+def test_a_follower_refuses_commands_for_its_leader(tmp_path):
+    with pytest.raises(SimulatedRefusal, match="send it to its leader exec0"):
+        spare_cluster(tmp_path).executors["exec1"].apply(BatchArgs(instance="i0", max_num_seqs=4))
+
+
+def test_a_request_no_executor_holds_waits_for_a_merge_whose_leader_alone_then_takes_requests(tmp_path):
+    # 620 pages: 20 KV blocks outside the slots each (320 tokens). Merged TP2, each member's FFN cut frees
+    # 7 - 1 = 6 pages a layer (180): 3 heads x 200 pages = 600 units, 2 heads a block on exec0: 300 blocks.
+    fleet = read_fleet(write_fleet(tmp_path, pages=620, count=2, max_model_len=1024))
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=("tp",), amoebas=True)))
+    run = sim.run([TraceRequest(0.5, 900, 100), TraceRequest(2.0, 20, 5), TraceRequest(40.0, 20, 5)])
+    long_, during, later = run.requests
+    assert long_.error is None and long_.tokens == 100 and long_.executor == "exec0"
+    merges = [e.data for e in run.events if e.kind == "command" and e.data["kind"] == "tp_merge"]
+    assert [(m["executor"], m["ok"], m["state"]["blocks"]) for m in merges] == [("exec0", True, 300),
+                                                                                 ("exec1", True, 300)]
+    # Alone, exec1 (no KV in use) would have taken it before exec0 (63 of 300 blocks): only the leader serves.
+    assert during.error is None and during.executor == "exec0"
+    splits = [e.data for e in run.events if e.kind == "command" and e.data["kind"] == "tp_split"]
+    assert [s["ok"] for s in splits] == [True] and later.error is None
+    assert sim.executors["exec1"].group is None and sim.executors["exec0"].kv_capacity() == 20
+
+
+def test_cocoserve_and_amoebas_run_end_to_end_on_the_cpu_bench_fleet(tmp_path, capsys):
+    fleet = PROJECT_ROOT / "services" / "simulator" / "fleets" / "cpu-bench.json"
+    argv = ["--fleet", str(fleet), "--modes", "cocoserve,amoebas", "--rate-scale", "0.25", "--busy", "1",
+            "--ordinary", "0", "--window-s", "5", "--out", str(tmp_path)]
+    assert simulate_cli.main(argv) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert set(report["modes"]) == {"cocoserve", "amoebas"}
+    for mode in report["modes"].values():
+        window = next(iter(mode["windows"].values()))
+        assert window["request_count"] > 0 and window["failed"] == 0

@@ -1,0 +1,157 @@
+"""An instance of several simulated executors with its layers placed or replicated (CoCoServe): what its plan
+does to each member's memory, what its operations do, and what a step of it takes.
+
+Memory is the fabric's (services/executor/fabric/member.py, reshape.py), with the same PageLedger arithmetic:
+every member keeps a slot's place for every layer in its arena ("all" slots) but fills only those of the
+layers placed on it; a KV block of the instance is a page on every member, so the instance has as many blocks
+as the member with the fewest pages outside its slots can back (K), numbered by a ledger of its own whose ids
+above K are withdrawn; a member's pages neither in a slot nor backing a block are its `spare_pages`. The
+leader's scheduler allocates block ids; each member maps them to pages of its own arena.
+
+An operation (replicate, migrate, evict) applies as reshape.lead does: the plan shared/plans.reshaped gives,
+the block count the members can back afterwards (refused, with nothing changed, below one longest sequence or
+when the live blocks cannot move below it), the replicas each request keeps (fabric/replicas.reassign, whose
+KV moves say which rows travel), then per member: slots taken back for the layers it gains (the blocks in
+them moved out first) and released for those it loses. Its seconds: costs.operation_seconds.
+
+A step, segment by segment (shared/plans.segments), as the fabric runs it:
+- layers one member computes: their time at their bits over the whole batch on that member (latency model),
+  plus a hop there and one back when that member is not the leader;
+- replicated layers: the batch split by fabric/replicas.assign_replicas (a request keeps its replica, a new
+  one goes to the least loaded), each replica's rows timed on it, the slowest counting (CoCoServe's Eq. 1),
+  plus a scatter and a gather of every other replica's rows (Eq. 2's transfers);
+- then the rest of a step on the leader (the speed-up profile's overhead line).
+"""
+
+from services.executor.engine.errors import OutOfPagesError
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
+from services.executor.fabric.replicas import assign_replicas, reassign
+from services.simulator import costs
+from shared.messages import EvictArgs, InstancePlan, MigrateArgs, ReplicateArgs
+from shared.plans import OperationRefused, layers_on, reshaped, segments
+
+Operation = ReplicateArgs | MigrateArgs | EvictArgs
+
+
+class SimulatedRefusal(Exception):
+    """A command the simulated executor refuses as the real one would (nothing changed)."""
+
+
+class SimInstance:
+    """A TP1 instance of several members (`members`: SimExecutor by name, the plan's leader among them)."""
+
+    def __init__(self, plan: InstancePlan, members: dict, max_model_len: int):
+        self.plan, self.members = plan, members
+        self.leader = members[plan.leader]
+        for name, member in members.items():
+            member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
+        self.capacity = min(m.ledger.num_pages for m in members.values())
+        self.min_blocks = -(-max_model_len // self.leader.limits.block_size)
+        blocks = min(self.capacity, *(m.outside_slots() for m in members.values()))
+        if blocks < self.min_blocks:
+            raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks, fewer than one sequence of "
+                             f"{max_model_len} tokens needs ({self.min_blocks})")
+        self.ledger = PageLedger(self.capacity)
+        self.ledger.withdraw(range(blocks, self.capacity))
+        self.blocks = BlockManager(self.ledger, self.leader.limits.block_size)
+        limits = self.leader.limits
+        self.scheduler = Scheduler(self.blocks, limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_waiting)
+        self.sticky: dict[int, dict[str, str]] = {}  # replicated segment -> request id -> replica
+        for member in members.values():
+            member.map_blocks(blocks)
+            member.join(self)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_present
+
+    # --- operations -------------------------------------------------------------------------------
+    def reshape(self, op: Operation) -> tuple[dict, float]:
+        """Apply `op` between two steps: (the result's state, its seconds). SimulatedRefusal, nothing changed,
+        where reshape.lead refuses."""
+        try:
+            plan = reshaped(self.plan, op)
+        except OperationRefused as exc:
+            raise SimulatedRefusal(f"{op.kind} refused: {exc}") from exc
+        outside = {name: m.outside_slots(layers_on(plan, name)) for name, m in self.members.items()}
+        before, after = self.num_blocks, min(min(outside.values()), self.capacity)
+        if after < self.min_blocks:
+            short = min(outside, key=outside.get)
+            raise SimulatedRefusal(f"{op.kind} refused: no memory: {short} would back only {after} KV blocks, fewer "
+                                   f"than one sequence of the longest length needs ({self.min_blocks})")
+        if after < before:
+            try:
+                self.scheduler.evacuate(set(range(after, before)))
+            except OutOfPagesError as exc:
+                raise SimulatedRefusal(f"{op.kind} refused: no memory: the instance would keep {after} of its "
+                                       f"{before} KV blocks, but {exc.needed} live blocks would have to move into "
+                                       f"{exc.free} free ones") from exc
+            self.ledger.withdraw(range(after, before))
+        elif after > before:
+            self.ledger.reinstate(range(before, after))
+        held = {}
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.block_table:
+                held.setdefault(seq.request_id, set()).update(seq.block_table)
+        self.sticky, moves = reassign(segments(self.plan), segments(plan), self.sticky, held)
+        copied = [(i, name) for i, (was, now) in enumerate(zip(self.plan.layers, plan.layers))
+                  for name in now.placement if name not in was.placement]
+        for name, member in self.members.items():
+            member.unmap_blocks(min(after, before))
+            member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
+            member.map_blocks(after)
+        self.plan = plan
+        for member in self.members.values():
+            member.plan = plan
+        shape, leader = self.leader.shape, self.leader
+        row_bytes = leader.page_bytes // shape.num_layers  # one layer's KV of one block
+        nbytes = (sum(leader.slot_pages[plan.layers[i].bits] for i, _ in copied) * leader.page_bytes
+                  + sum(len(m.layers) * len(m.blocks) for m in moves) * row_bytes)
+        seconds = costs.operation_seconds(leader.spec, op.kind, len(op.span), nbytes)
+        return ({"plan": plan.model_dump(), "blocks_before": before, "blocks_after": after,
+                 "layers_copied": len(copied), "kv_rows_moved": sum(len(m.layers) * len(m.blocks) for m in moves),
+                 "bytes_moved": nbytes}, seconds)
+
+    def freed_pages(self, member: str) -> int:
+        """Slot pages a TP merge's FFN cut freed on `member`: none in a TP1 instance."""
+        return 0
+
+    def forget(self, request_id: str) -> None:
+        """A request that ended needs no replica any more."""
+        for sticky in self.sticky.values():
+            sticky.pop(request_id, None)
+
+    # --- a step -----------------------------------------------------------------------------------
+    def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
+        """(the step's seconds, each member's computing seconds in it)."""
+        leader, plan = self.plan.leader, self.plan
+        spec = self.leader.spec
+        shape, dtype_bytes = self.leader.shape, spec.dtype_bytes
+
+        def hop(tokens: int) -> float:
+            return costs.hop_seconds(spec, costs.hidden_bytes(shape, dtype_bytes, tokens))
+
+        busy = dict.fromkeys(self.members, 0.0)
+        seconds = 0.0
+        for index, segment in enumerate(segments(plan)):
+            bits = [plan.layers[i].bits for i in range(segment.start, segment.stop)]
+            if len(segment.placement) == 1:
+                owners = {segment.placement[0]: chunks}
+            else:
+                sticky = self.sticky.setdefault(index, {})
+                owner = assign_replicas([(c.seq.request_id, c.length) for c in chunks], segment.placement, sticky)
+                sticky.update(owner)
+                owners = {m: [c for c in chunks if owner[c.seq.request_id] == m] for m in segment.placement}
+            longest = 0.0
+            for name, mine in owners.items():
+                member = self.members[name]
+                compute = sum(costs.layer_seconds(member.spec, b, mine) for b in bits)
+                busy[name] += compute
+                travel = 2 * hop(sum(c.length for c in mine)) if name != leader and mine else 0.0
+                longest = max(longest, compute + travel)
+            seconds += longest
+        seconds += spec.overhead.at(sum(c.length for c in chunks))
+        busy[leader] = seconds
+        return seconds, busy

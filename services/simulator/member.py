@@ -1,0 +1,85 @@
+"""What a simulated executor's arena does as a member of an instance of several executors, as the fabric's
+member keeps it (services/executor/fabric/member.py): the slots of the layers placed on it, the pages backing
+the instance's blocks, the KV head units it reports for AMOEBAs' merges, and its KV pages as telemetry shows
+them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`, `_slot`) it works on.
+"""
+
+from services.simulator.tp import ffn_pages_freed
+from shared.messages import KvPages, KvUnits
+from shared.tp_scheduler import MAX_TP
+
+
+class MemberArena:
+    def _head(self, layer: int, bits: int) -> range:
+        """The pages of `layer`'s slot its weights at `bits` fill."""
+        slot = self._slot(layer)
+        return range(slot.start, slot.start + self.slot_pages[bits])
+
+    def outside_slots(self, layers: list[int] | None = None) -> int:
+        """Pages outside slots, now or once the slots hold `layers` (at their bits now)."""
+        held = self.held if layers is None else layers
+        return self.ledger.num_pages - sum(self.slot_pages[self.layer_bits[i]] for i in held)
+
+    def hold(self, layers: list[int], bits: list[int]) -> None:
+        """Fill exactly the slots of `layers`, at `bits`: those it gives up are released, those it gains taken
+        back, the blocks backed by their pages moved out first (the fabric member's vacate)."""
+        keep = set(layers)
+        for i in sorted(self.held - keep):
+            self.ledger.release_slot_pages(i, self._head(i, self.layer_bits[i]))
+        gained = {i: self._head(i, bits[i]) for i in sorted(keep - self.held)}
+        taking = {p for pages in gained.values() for p in pages}
+        moved = {p: self.ledger.relocate(p, taking) for p in sorted(taking) if self.ledger.refcount(p) > 0}
+        self.mapped = [moved.get(p, p) for p in self.mapped]
+        for i, pages in gained.items():
+            self.ledger.assign_slot(i, pages)
+        self.held, self.layer_bits = keep, list(bits)
+
+    def map_blocks(self, count: int) -> None:
+        while len(self.mapped) < count:
+            self.mapped.append(self.ledger.allocate())
+
+    def unmap_blocks(self, count: int) -> None:
+        for page in self.mapped[count:]:
+            self.ledger.decref(page)
+        del self.mapped[count:]
+
+    def join(self, group) -> None:
+        """Serve in `group`; its leader's scheduler becomes the instance's."""
+        self.group, self.plan = group, group.plan
+        if group.plan.leader == self.id:
+            self.scheduler, self.blocks = group.scheduler, group.blocks
+
+    def blocks_at_end(self, prompt_tokens: int, max_tokens: int) -> int:
+        """KV blocks a sequence holds once it ends (its last token is sampled, never written)."""
+        tokens = min(prompt_tokens + max_tokens, self.max_model_len)
+        return -(-(tokens - 1) // self.limits.block_size)
+
+    def kv_capacity(self) -> int:
+        """KV blocks the instance holds empty: the most one sequence can take."""
+        return self.group.num_blocks if self.group is not None else self.ledger.snapshot().pages_kv
+
+    def kv_units(self) -> list[KvUnits]:
+        """merge.kv_units: its KV head units as a member of each TP instance its world can form, as the worker
+        caches them: recomputed while it serves alone, the last ones standing while merged (what it holds once
+        it splits), none in an instance it started in (its cache starts empty)."""
+        if self.group is not None:
+            return self.units if self.group.plan.merged else []
+        if len(self.world) < 2:
+            return []
+        pages = self.ledger.snapshot().pages_kv
+        heads = self.shape.num_kv_heads
+        self.units = [KvUnits(tp=k, units=heads * (pages + ffn_pages_freed(self, k)))
+                      for k in (1, 2, MAX_TP) if k <= len(self.world)]
+        return self.units
+
+    def _kv_pages(self) -> KvPages:
+        snap = self.ledger.snapshot()
+        if self.group is None:
+            return KvPages(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
+                           pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
+                           pages_extension=snap.pages_extension)
+        blocks, free = self.group.num_blocks, self.group.ledger.num_free
+        slot = snap.pages_slot - self.group.freed_pages(self.id)
+        extension = max(0, blocks - (snap.pages_total - slot - snap.pages_extension))
+        return KvPages(pages_total=snap.pages_total, pages_slot=slot, pages_free=free, pages_used=blocks - free,
+                       pages_base=blocks - extension, pages_extension=extension)

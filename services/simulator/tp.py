@@ -1,0 +1,171 @@
+"""AMOEBAs' runtime merge of simulated executors serving alone into one TP instance, and its split back
+(services/executor/fabric/transform.py, merge.py), with the running requests keeping their tokens and KV.
+
+Memory, as the fabric counts it: a member of a TP-k instance keeps its 1/k of every layer's FFN where it lies,
+and the slot pages none of it touches become KV pages (merge.py: one page a layer stays shared by a kept and a
+dropped piece); KV is stored by head unit, a page holding one unit per KV head, so a member's units are its
+KV pages and those freed times the KV heads (merge.kv_units), and the instance holds
+shared/tp_scheduler.capacity blocks: the fewest any member backs with the heads it stores per block. A merge
+whose live blocks do not fit is refused by every member alike, with nothing changed.
+
+The merged instance numbers its blocks with a ledger of its own; every sequence of every member moves into the
+leader's scheduler with a block table in those ids. The split gives each sequence back to the member it came
+from (one that arrived merged to the member with the fewest blocks so far), refused when a member's arena
+cannot back them. Seconds: costs.operation_seconds over the model's layers and the KV heads that move.
+
+A step of the merged instance: each layer at 1/k of its time on one executor (its FFN and heads split k ways)
+plus two all-reduces of the batch's hidden states (after o_proj and after down_proj), each costed as a hop;
+then the rest of a step on the leader.
+"""
+
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
+from services.simulator import costs
+from services.simulator.instance import SimulatedRefusal
+from shared.messages import InstancePlan, LayerPlan, TpMergeArgs
+from shared.planner.memory import weight_bytes
+from shared.plans import alone, reshaped
+from shared.tp_scheduler import MAX_TP, Member, capacity, world_allows
+
+
+class SimulatedTpRefusal(SimulatedRefusal):
+    """A merge or split every member refuses alike; nothing changed."""
+
+
+def ffn_pages_freed(executor, tp: int) -> int:
+    """Slot pages a TP-`tp` cut frees on `executor`: per held layer, the FFN pieces it drops, less the page
+    a kept and a dropped piece share."""
+    if tp < 2:
+        return 0
+    shape = executor.shape
+    ffn_share = 3 * shape.hidden_size * shape.intermediate_size / shape.layer_params
+    freed = 0
+    for i in executor.held:
+        dropped = weight_bytes(shape, executor.layer_bits[i], executor.spec.dtype_bytes) * ffn_share * (tp - 1) / tp
+        freed += max(0, int(dropped // executor.page_bytes) - 1)
+    return freed
+
+
+class SimTpInstance:
+    def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float):
+        self.plan, self.members, self.leader = plan, members, members[plan.leader]
+        self.freed = freed
+        self.ledger = PageLedger(blocks)
+        self.blocks = BlockManager(self.ledger, self.leader.limits.block_size)
+        limits = self.leader.limits
+        self.scheduler = Scheduler(self.blocks, self.leader.scheduler.max_num_seqs, limits.max_num_batched_tokens,
+                                   limits.max_waiting)
+        self.alone = {name: (m.scheduler, m.blocks) for name, m in members.items()}
+        self.origin: dict[str, str] = {}  # request id -> the member it came from
+        for name, member in members.items():
+            for seq in member.scheduler.running:
+                self._adopt(seq, member.blocks, self.blocks)
+                self.scheduler.running.append(seq)
+                self.origin[seq.request_id] = name
+            for seq in member.scheduler.waiting:
+                self._adopt(seq, member.blocks, self.blocks)
+                self.scheduler.waiting.append(seq)
+                self.origin[seq.request_id] = name
+            member.scheduler.running.clear()
+            member.scheduler.waiting.clear()
+            if member is not self.leader:
+                self.leader.requests.update(member.requests)
+                member.requests.clear()
+        self.scheduler.waiting = type(self.scheduler.waiting)(sorted(self.scheduler.waiting,
+                                                                     key=lambda s: s.arrival_time))
+        for member in members.values():
+            member.join(self)
+        self.leader.hold_until = hold_until
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_present
+
+    @staticmethod
+    def _adopt(seq, source: BlockManager, target: BlockManager) -> None:
+        """Give `seq` the same number of blocks in `target`, freeing those it had in `source`."""
+        count = len(seq.block_table)
+        source.free(seq)
+        seq.block_table = [target.ledger.allocate() for _ in range(count)]
+
+    def freed_pages(self, member: str) -> int:
+        return self.freed[member]
+
+    def forget(self, request_id: str) -> None:
+        self.origin.pop(request_id, None)
+
+    def reshape(self, op) -> tuple[dict, float]:
+        reshaped(self.plan, op)  # refuses a TP instance's layer operations (OperationRefused)
+        raise AssertionError("shared.plans.reshaped accepted an operation on a TP instance")
+
+    def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
+        spec, k = self.leader.spec, self.plan.tp
+        hop = costs.hop_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes,
+                                                         sum(c.length for c in chunks)))
+        seconds = sum(costs.layer_seconds(spec, layer.bits, chunks) / k + 2 * hop for layer in self.plan.layers)
+        seconds += spec.overhead.at(sum(c.length for c in chunks))
+        return seconds, dict.fromkeys(self.members, seconds)
+
+    # --- the split --------------------------------------------------------------------------------
+    def split(self) -> tuple[dict, float]:
+        """Back to executors serving alone; SimulatedTpRefusal, nothing changed, where a member cannot back the
+        KV it takes back."""
+        homes: dict[str, list] = {name: [] for name in self.members}
+        load = dict.fromkeys(self.members, 0)
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            home = self.origin.get(seq.request_id) or min(self.members, key=lambda m: (load[m], m))
+            homes[home].append(seq)
+            load[home] += len(seq.block_table)
+        for name, seqs in homes.items():
+            free = self.alone[name][1].ledger.num_free
+            if load[name] > free:
+                raise SimulatedTpRefusal(f"tp_split refused: {name} would take back {load[name]} KV blocks and has "
+                                         f"{free} free pages")
+        moved = sum(load[name] for name in self.members if name != self.plan.leader)
+        running = set(map(id, self.scheduler.running))
+        for name, member in self.members.items():
+            scheduler, blocks = self.alone[name]
+            for seq in homes[name]:
+                self._adopt(seq, self.blocks, blocks)
+                (scheduler.running if id(seq) in running else scheduler.waiting).append(seq)
+                if member is not self.leader:
+                    member.requests[seq.request_id] = self.leader.requests.pop(seq.request_id)
+            member.scheduler, member.blocks = scheduler, blocks
+            member.group, member.plan = None, alone(name, len(self.plan.layers), self.plan.layers[0].bits)
+            member.hold_until = 0.0
+        nbytes = moved * self.leader.page_bytes
+        seconds = costs.operation_seconds(self.leader.spec, "tp_split", len(self.plan.layers), nbytes)
+        return {"plan": None, "blocks_kept": {n: load[n] for n in self.members}}, seconds
+
+
+def merge(members: dict, args: TpMergeArgs, now: float) -> tuple[SimTpInstance, dict, float]:
+    """Merge `members` (SimExecutor by name, in args.executors order) as every one of them takes the command:
+    (the instance, the result's state, the seconds). SimulatedTpRefusal, nothing changed, where they refuse."""
+    names = list(args.executors)
+    for name in names:
+        member = members[name]
+        if member.group is not None:
+            raise SimulatedTpRefusal(f"tp_merge refused: {name} is already in instance {member.group.plan.id}: only "
+                                     f"executors serving alone merge")
+        if len(member.world) < 2:
+            raise SimulatedTpRefusal(f"tp_merge refused: {name} is in no world of executors: it has nobody to merge "
+                                     f"with")
+        if len(set(names)) != len(names) or len(names) not in (2, MAX_TP) or not world_allows(member.world, names):
+            raise SimulatedTpRefusal(f"tp_merge refused: executors {names} cannot form one instance in this world "
+                                     f"({member.world})")
+    tp = len(names)
+    leader = members[names[0]]
+    units = tuple(Member(n, {u.tp: u.units for u in members[n].kv_units()}) for n in names)
+    blocks = capacity(units, leader.shape.num_kv_heads)
+    live = sum(members[n].ledger.snapshot().pages_kv_used for n in names)
+    if live > blocks:
+        raise SimulatedTpRefusal(f"tp_merge refused: the members' {live} live KV blocks do not fit the {blocks} "
+                                 f"blocks of the merged instance")
+    plan = InstancePlan(id=args.instance, leader=names[0], members=names, tp=tp, merged=True,
+                        layers=[LayerPlan(placement=names, bits=b) for b in leader.layer_bits])
+    freed = {n: ffn_pages_freed(members[n], tp) for n in names}
+    instance = SimTpInstance(plan, {n: members[n] for n in names}, blocks, freed, now + args.hold_s)
+    nbytes = live * leader.page_bytes * (tp - 1) / tp  # the heads each member no longer stores
+    seconds = costs.operation_seconds(leader.spec, "tp_merge", len(plan.layers), nbytes)
+    return instance, {"plan": plan.model_dump(), "blocks": blocks, "live_blocks": live}, seconds

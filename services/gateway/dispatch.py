@@ -27,7 +27,7 @@ from opentelemetry import context as otel_context
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError
-from services.gateway.router import choose_executor, serving
+from services.gateway.router import Unreported, choose_executor, prompt_pages, serving
 from services.gateway.tp_merges import MergeScheduler
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
@@ -156,6 +156,8 @@ class Dispatcher:
             if commands is not None and config.tp_scheduler != "off" else None
         self._turn = itertools.count()  # round-robin's (the rr scheduler)
         self.state: ClusterState | None = None
+        self._unreported = Unreported()  # admitted since each executor's last report: routing counts them
+        self._block_sizes: dict[str, int] = {}
         # Unbounded as queues: _on_tokens bounds them, and the LOST and OVERFLOWED markers must always fit.
         self._queues: dict[str, asyncio.Queue] = {}
         self._running_on: dict[str, str] = {}  # request id -> executor, until the executor is lost
@@ -193,6 +195,8 @@ class Dispatcher:
     async def _on_state(self, incoming: Incoming) -> None:
         state: ClusterState = incoming.message
         self.state = state
+        self._unreported.forget_reported(state)
+        self._block_sizes = {e.executor: e.telemetry.block_size for e in state.executors}
         self.metrics.observe_state(state)
         live = {e.executor for e in state.executors if e.alive}
         for request_id, executor in list(self._running_on.items()):
@@ -266,7 +270,8 @@ class Dispatcher:
             if only is not None:
                 executor = None if only in tried else only
             else:
-                executor = choose_executor(self.state, tried, model, self.config.tp_scheduler, turn)
+                executor = choose_executor(self.state, tried, model, self.config.tp_scheduler, turn,
+                                           self._unreported.view())
             if executor is None:
                 break
             tried.add(executor)
@@ -295,6 +300,8 @@ class Dispatcher:
                 continue
             if admission.accepted:
                 self._running_on[attempt_req.request_id] = executor
+                self._unreported.add(executor, time.time(),
+                                     prompt_pages(admission.prompt_tokens, self._block_sizes.get(executor, 1)))
                 return Ticket(attempt_req, model, executor, queue, admission.prompt_tokens, time.time(), ctx,
                               attempts)
             self._queues.pop(attempt_req.request_id, None)

@@ -8,8 +8,44 @@ report telemetry too, but a request sent to one would find nobody to take it, so
 candidates. An executor without a plan is a standalone one and leads itself.
 """
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from shared.messages import ClusterState, ExecutorState
 from shared.plans import leads
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a gateway sent one executor that the executor's telemetry in the state it routes on does not show."""
+    requests: int = 0
+    pages: int = 0  # KV pages their prompts take
+
+
+NOTHING_SENT = Sent()
+
+
+class Unreported:
+    """The requests a gateway sent since each executor's last report. The monitor publishes a few states a
+    second; between two of them every arrival would go to the one executor that looked least loaded, and at
+    hundreds of requests a second (a fleet's gateway, the simulator's thousand executors) that one executor's
+    queue overflows while the rest idle. Counting what was sent since keeps the choice spread."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[tuple[float, int]]] = {}  # executor -> (sent at, its prompt's pages)
+
+    def add(self, executor: str, sent_at: float, pages: int) -> None:
+        self._sent.setdefault(executor, []).append((sent_at, pages))
+
+    def forget_reported(self, state: ClusterState) -> None:
+        """Drop what each executor's report in `state` already counts: sent before it was taken. Executors
+        gone from the state are dropped whole. Times are the senders' and the executors' clocks (time.time())."""
+        reported = {e.executor: e.telemetry.time for e in state.executors}
+        self._sent = {name: kept for name, sent in self._sent.items() if name in reported
+                      and (kept := [(t, pages) for t, pages in sent if t > reported[name]])}
+
+    def view(self) -> dict[str, Sent]:
+        return {name: Sent(len(sent), sum(pages for _, pages in sent)) for name, sent in self._sent.items()}
 
 
 def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:
@@ -21,7 +57,7 @@ def serving(state: ClusterState | None, model: str | None = None) -> list[Execut
 
 
 def choose_executor(state: ClusterState | None, exclude: set[str], model: str, strategy: str = "amoebas",
-                    turn: int = 0) -> str | None:
+                    turn: int = 0, unreported: Mapping[str, Sent] | None = None) -> str | None:
     """The least-loaded serving executor for `model`: the smallest share of its KV pages in use (instances
     differ in size: quantized layers free pages, a TP merge holds several executors' KV), then the shortest
     queue; ties go to the lowest id so that the choice is deterministic. One suspect of a stall comes last:
@@ -29,20 +65,56 @@ def choose_executor(state: ClusterState | None, exclude: set[str], model: str, s
     beats refusing outright. None when there is none.
 
     AMOEBAs' baselines order the candidates otherwise: "rr" round-robin from the `turn`-th, "llf" the fewest
-    requests running and waiting first."""
+    requests running and waiting first. `unreported`: what the caller sent each executor that `state` does not
+    show yet (Unreported.view()), counted as queued there."""
+    sent = unreported or {}
+    if strategy not in ("rr", "llf"):
+        return _least_loaded(state, exclude, model, sent)
     candidates = sorted((e for e in serving(state, model) if e.executor not in exclude), key=lambda e: e.executor)
     if not candidates:
         return None
     if strategy == "rr":
         start = turn % len(candidates)
         return min(candidates[start:] + candidates[:start], key=lambda e: e.suspect).executor
-    if strategy == "llf":
-        return min(candidates, key=lambda e: (e.suspect, e.telemetry.running + e.telemetry.waiting,
-                                              e.executor)).executor
-    best = min(candidates, key=lambda e: (e.suspect, kv_in_use(e), e.telemetry.waiting, e.executor))
-    return best.executor
+    return min(candidates, key=lambda e: (e.suspect, e.telemetry.running + e.telemetry.waiting
+                                          + sent.get(e.executor, NOTHING_SENT).requests, e.executor)).executor
 
 
-def kv_in_use(e: ExecutorState) -> float:
+def _load(e: ExecutorState, sent: Sent) -> tuple:
+    return e.suspect, kv_in_use(e, sent.pages), e.telemetry.waiting + sent.requests, e.executor
+
+
+def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sent: Mapping[str, Sent]) -> str | None:
+    """The default order without weighing every executor per request. Sending only raises an executor's load,
+    so the least loaded is the better of those sent to and the first of the state's order that was not: a
+    gateway routing hundreds of requests a second over a thousand executors walks a few of them, not all."""
+    ordered = _by_load(state, model)
+    best = min((_load(e, sent[e.executor]) for e in ordered if e.executor in sent and e.executor not in exclude),
+               default=None)
+    for e in ordered:
+        if e.executor not in sent and e.executor not in exclude:
+            untouched = _load(e, NOTHING_SENT)
+            best = untouched if best is None else min(best, untouched)
+            break
+    return None if best is None else best[-1]
+
+
+_order_cache: list = [None, None, []]  # [state, model, its serving executors by load]: one state is routed on at a time
+
+
+def _by_load(state: ClusterState | None, model: str) -> list[ExecutorState]:
+    if _order_cache[0] is not state or _order_cache[1] != model:
+        _order_cache[:] = [state, model, sorted(serving(state, model), key=lambda e: _load(e, NOTHING_SENT))]
+    return _order_cache[2]
+
+
+def kv_in_use(e: ExecutorState, pending_pages: int = 0) -> float:
+    """The share of its KV pages in use, counting `pending_pages` more (prompts sent it since it reported)."""
     kv = e.telemetry.kv
-    return kv.pages_used / (kv.pages_used + kv.pages_free) if kv.pages_used + kv.pages_free else 1.0
+    total = kv.pages_used + kv.pages_free
+    return (kv.pages_used + pending_pages) / total if total else 1.0
+
+
+def prompt_pages(prompt_tokens: int, block_size: int) -> int:
+    """KV pages a prompt of `prompt_tokens` takes once prefilled."""
+    return -(-prompt_tokens // max(1, block_size))

@@ -38,7 +38,7 @@ from services.controller.policies import ladder
 from services.controller.policies.interface import PlannedCommand
 from services.bench.modes import spare_plan
 from services.executor.engine.errors import KvCapacityError, QueueFullError
-from services.gateway.router import choose_executor
+from services.gateway.router import Unreported, choose_executor, prompt_pages
 from services.monitor.aggregate import ClusterView
 from services.simulator import tp
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
@@ -87,6 +87,7 @@ class Simulation:
         self.view = ClusterView(settings.monitor)
         self.controller = Controller(settings.controller, ladder.policies_for(settings.controller))
         self.state: ClusterState | None = None
+        self.unreported = Unreported()  # the gateway's count of what it sent since each executor last reported
         self.now = 0.0
         self._heap: list = []
         self._order = itertools.count()
@@ -139,7 +140,7 @@ class Simulation:
     # --- requests -----------------------------------------------------------------------------------
     def arrive(self, request: SimRequest) -> None:
         refused: set[str] = set()
-        while (name := choose_executor(self.state, refused, MODEL)) is not None:
+        while (name := choose_executor(self.state, refused, MODEL, unreported=self.unreported.view())) is not None:
             try:
                 self.executors[name].admit(request, self.now)
             except QueueFullError:
@@ -149,6 +150,7 @@ class Simulation:
             except KvCapacityError:
                 self.merges.make_room(request)
                 return
+            self.unreported.add(name, self.now, prompt_pages(request.prompt_tokens, self.fleet.engine.block_size))
             self._kick(name)
             return
         self.fail(request, "no executor could take it (queues full or none serving)")
@@ -214,6 +216,7 @@ class Simulation:
 
     def _publish(self) -> None:
         self.state = self.view.state(self.now)
+        self.unreported.forget_reported(self.state)
         if not self.controller.policies:
             return
         began = time.perf_counter()

@@ -18,6 +18,8 @@ plus two all-reduces of the batch's hidden states (after o_proj and after down_p
 then the rest of a step on the leader.
 """
 
+import functools
+
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
@@ -25,6 +27,7 @@ from services.simulator import costs
 from services.simulator.instance import SimulatedRefusal
 from shared.messages import InstancePlan, LayerPlan, TpMergeArgs
 from shared.planner.memory import weight_bytes
+from shared.planner.shapes import ModelShape
 from shared.plans import alone, reshaped
 from shared.tp_scheduler import MAX_TP, Member, capacity, world_allows
 
@@ -38,13 +41,17 @@ def ffn_pages_freed(executor, tp: int) -> int:
     a kept and a dropped piece share."""
     if tp < 2:
         return 0
-    shape = executor.shape
+    return sum(_ffn_pages_freed_per_layer(executor.shape, executor.layer_bits[i], executor.spec.dtype_bytes,
+                                          executor.page_bytes, tp) for i in executor.held)
+
+
+@functools.cache
+def _ffn_pages_freed_per_layer(shape: ModelShape, bits: int, dtype_bytes: int, page_bytes: int, tp: int) -> int:
+    # Every telemetry report asks (merge.kv_units at each TP degree): weighing a layer each time was most of
+    # a thousand-executor simulation.
     ffn_share = 3 * shape.hidden_size * shape.intermediate_size / shape.layer_params
-    freed = 0
-    for i in executor.held:
-        dropped = weight_bytes(shape, executor.layer_bits[i], executor.spec.dtype_bytes) * ffn_share * (tp - 1) / tp
-        freed += max(0, int(dropped // executor.page_bytes) - 1)
-    return freed
+    dropped = weight_bytes(shape, bits, dtype_bytes) * ffn_share * (tp - 1) / tp
+    return max(0, int(dropped // page_bytes) - 1)
 
 
 class SimTpInstance:

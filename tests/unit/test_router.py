@@ -1,16 +1,18 @@
 """choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, the least
 share of its KV in use, then shortest queue; AMOEBAs' baselines by turn or by requests."""
 
-from services.gateway.router import choose_executor, serving
+from hypothesis import given, strategies as st
+
+from services.gateway.router import Unreported, choose_executor, prompt_pages, serving
 from shared.plans import leads
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
 from shared.plans import tp_plans
 
 
-def executor(name, free=10, waiting=0, alive=True, draining=False, model="m", suspect=False, plan=None):
+def executor(name, free=10, waiting=0, alive=True, draining=False, model="m", suspect=False, plan=None, time=0.0):
     kv = KvPages(pages_total=100, pages_slot=50, pages_free=free, pages_used=50 - free, pages_base=40,
                  pages_extension=10)
-    t = ExecutorTelemetry(executor=name, instance="i0", time=0.0, model=model, max_model_len=2048, block_size=16,
+    t = ExecutorTelemetry(executor=name, instance="i0", time=time, model=model, max_model_len=2048, block_size=16,
                           page_bytes=1, kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting,
                           max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0,
                           ttft_s=0.0, tpot_s=0.0, draining=draining, plan=plan)
@@ -78,3 +80,49 @@ def test_the_baselines_order_by_turn_or_by_requests():
     busy = state(executor("a", free=50, waiting=3), executor("b", free=1, waiting=1))
     assert choose_executor(busy, set(), "m", "llf") == "b"
     assert choose_executor(busy, set(), "m", "amoebas") == "a"
+
+
+def test_what_was_sent_since_the_state_counts_as_used_so_arrivals_between_states_spread():
+    s = state(executor("a", free=20), executor("b", free=19))
+    sent = Unreported()
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "a"
+    sent.add("a", 1.0, prompt_pages(30, 16))  # two pages: a now looks fuller than b
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "b"
+
+
+def test_a_report_taken_after_a_send_counts_it_and_a_gone_executor_is_forgotten():
+    sent = Unreported()
+    sent.add("a", 1.0, 2)
+    sent.add("a", 3.0, 5)
+    sent.add("gone", 1.0, 7)
+    sent.forget_reported(state(executor("a", time=2.0)))
+    assert {name: (v.requests, v.pages) for name, v in sent.view().items()} == {"a": (1, 5)}
+    sent.forget_reported(state(executor("a", time=3.5)))
+    assert sent.view() == {}
+
+
+@given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
+def test_identical_executors_between_two_states_take_turns(n, arrivals):
+    s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
+    sent, counts = Unreported(), {f"e{i}": 0 for i in range(n)}
+    for t in range(arrivals):
+        chosen = choose_executor(s, set(), "m", unreported=sent.view())
+        sent.add(chosen, float(t + 1), 1)
+        counts[chosen] += 1
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),
+       st.dictionaries(st.integers(0, 7), st.tuples(st.integers(1, 3), st.integers(0, 30)), max_size=4),
+       st.sets(st.integers(0, 7), max_size=3))
+def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, sends, excluded):
+    from services.gateway.router import Sent, kv_in_use
+    s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
+                for i, (free, waiting, suspect) in enumerate(executors)))
+    sent = {f"e{i}": Sent(requests, pages) for i, (requests, pages) in sends.items()}
+    exclude = {f"e{i}" for i in excluded}
+    nothing = Sent()
+    expected = min(((e.suspect, kv_in_use(e, sent.get(e.executor, nothing).pages),
+                     e.telemetry.waiting + sent.get(e.executor, nothing).requests, e.executor)
+                    for e in s.executors if e.executor not in exclude), default=(None,))[-1]
+    assert choose_executor(s, exclude, "m", unreported=sent) == expected

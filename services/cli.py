@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
     "bench-amoebas": ("services.executor.tools.bench_amoebas",
                       "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
+    "bench-bus": ("services.bench.bus_scale",
+                  "what the real monitor and controller sustain as synthetic executors' telemetry grows to 1,000"),
     "bench-hybrid": ("services.bench.hybrid",
                      "AMOEBAs' scheduler vs round-robin vs least-load-first on short and long requests (Fig. 12)"),
     "bench-plan": ("services.executor.tools.bench_plan",

@@ -214,14 +214,16 @@ class Cluster:
         restart = self.restart_args.get(name)
         return self.spawn(name, role, [*command, *args], env, None if restart is None else [*command, *restart])
 
-    def start_nats(self, timeout_s: float = 10.0) -> str:
-        """An embedded nats-server with JetStream on loopback: NATS's own port 4222 when it is free, so
-        that tools like `morphling events` find it without being told, else any free port. Its URL.
+    def start_nats(self, timeout_s: float = 10.0, port: int | None = None, monitor_port: int | None = None) -> str:
+        """An embedded nats-server with JetStream on loopback: on `port`, else NATS's own port 4222 when it is
+        free, so that tools like `morphling events` find it without being told, else any free port. Its URL.
+        With `monitor_port` it serves its counters over HTTP there (/varz, /connz).
         The port and store are in its command line, so a restart brings back the same server."""
-        port = NATS_PORT if port_is_free(NATS_PORT) else free_port()
+        port = port or (NATS_PORT if port_is_free(NATS_PORT) else free_port())
         store = self.log_dir / "jetstream"
-        child = self.spawn("nats-server", "nats-server",
-                           [nats_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)])
+        monitoring = ["-m", str(monitor_port)] if monitor_port is not None else []
+        child = self.spawn("nats-server", "nats-server", [nats_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
+                                                          "-sd", str(store), *monitoring])
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if child.proc.poll() is not None:

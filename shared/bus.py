@@ -126,6 +126,11 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes, model: type[M]) -> M:
+    return validate(unpack(data), model)
+
+
+def unpack(data: bytes) -> dict:
+    """The body as a map of this schema version, not yet validated as any message."""
     try:
         body = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
@@ -134,6 +139,11 @@ def decode(data: bytes, model: type[M]) -> M:
         raise BadMessage(f"body is a {type(body).__name__}, not a map")
     if body.get("v") != SCHEMA_VERSION:
         raise BadMessage(f"schema version {body.get('v')!r}, expected {SCHEMA_VERSION}", body)
+    return body
+
+
+def validate(body: dict, model: type[M]) -> M:
+    """An unpacked body as a `model`, or BadMessage."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -153,6 +163,11 @@ class Incoming:
     trace_context: otel_context.Context
     _msg: Msg
     max_payload: int | None = None  # of the connection it came on, for the error of a reply too large
+
+    @property
+    def size(self) -> int:
+        """The body's bytes on the wire."""
+        return len(self._msg.data)
 
     @property
     def can_reply(self) -> bool:
@@ -362,6 +377,23 @@ class Bus:
                 log.exception("handler for %s failed", msg.subject)
 
         return await self._nc.subscribe(subject, queue=queue, cb=receive)
+
+    async def subscribe_bodies(self, subject: str, handler: Callable[[str, dict], None]):
+        """Call `handler(subject, body)` for each message on `subject` with its body unpacked but not validated
+        (`validate` does that): for a receiver that keeps only the latest of many messages and validates the
+        one it uses. A body that does not unpack is logged and dropped."""
+        async def receive(msg: Msg) -> None:
+            try:
+                body = unpack(msg.data)
+            except BadMessage as exc:
+                log.warning("dropped a message on %s: %s", msg.subject, exc)
+                return
+            try:
+                handler(msg.subject, body)
+            except Exception:  # a handler bug must not kill the subscription
+                log.exception("handler for %s failed", msg.subject)
+
+        return await self._nc.subscribe(subject, cb=receive)
 
     async def ensure_stream(self, name: str, subjects: list[str], max_age_s: float, max_bytes: int) -> bool:
         """Have JetStream keep what is published on `subjects` in stream `name`, for `max_age_s` and up to

@@ -220,8 +220,13 @@ class MonitorConfig:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.15
     slo_window_s: float = 10.0
+    # Seconds between its "stats" events (telemetry taken in, states published, the time building and sending
+    # them took), so that how far it is from keeping up can be read off the bus; 0: none.
+    stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must not be negative, got {self.stats_interval_s}")
         if not 0 < self.suspect_after_s <= self.dead_after_s:
             raise ValueError(f"need 0 < suspect_after_s <= dead_after_s, got {self.suspect_after_s} and "
                              f"{self.dead_after_s}")
@@ -272,8 +277,12 @@ class ControllerConfig:
     split_free_fraction: float = 0.5
     # The rungs the ladder may use (a subset of LEVERS): one lever alone is how each paper's system is run.
     levers: tuple[str, ...] = LEVERS
+    # Seconds between its "stats" events (states received and planned, the time planning took); 0: none.
+    stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must not be negative, got {self.stats_interval_s}")
         unknown = set(self.levers) - set(LEVERS)
         if unknown:
             raise ValueError(f"unknown lever(s) {', '.join(sorted(unknown))}: the levers are {', '.join(LEVERS)}")

@@ -31,7 +31,7 @@ from services.controller.loop import Controller
 from services.controller.policies import cocoserve_algorithms, ladder
 from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
-from shared.config import LEVERS, ControllerConfig, parse_levers, read_swap_order
+from shared.config import LEVERS, ControllerConfig, parse_levers, read_swap_order, seconds
 from shared.speedup import SpeedupProfile
 from shared.telemetry import setup_tracing
 
@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--amoebas", choices=("on", "off"), default="on" if defaults.amoebas else "off",
                         help="split TP instances the gateway merged for long requests back once those are done "
                              "(AMOEBAs; default %(default)s)")
+    parser.add_argument("--stats-interval", type=seconds(allow_zero=True), default=defaults.stats_interval_s,
+                        metavar="SECONDS", help="seconds between its stats events (states received and planned, "
+                                                "the time planning took); 0: none (default %(default)g)")
     args = parser.parse_args(argv)
     if args.command_timeout <= 0 or args.command_retries < 0:
         parser.error("--command-timeout must be positive and --command-retries non-negative")
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                               command_timeout_s=args.command_timeout, command_retries=args.command_retries,
                               morph_mode=args.mode, morph_overrides=tuple(overrides.items()),
                               cocoserve_mode=args.cocoserve, cocoserve_overrides=tuple(coco_overrides.items()),
-                              speedup_profile=args.speedup, amoebas=args.amoebas == "on", levers=levers)
+                              speedup_profile=args.speedup, amoebas=args.amoebas == "on", levers=levers,
+                              stats_interval_s=args.stats_interval)
     try:
         asyncio.run(_run_until_signalled(config, profile))
     except BusError as exc:

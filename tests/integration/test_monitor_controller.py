@@ -136,6 +136,73 @@ def test_a_report_of_new_pressure_events_goes_out_in_a_state_before_the_next_tic
     asyncio.run(scenario())
 
 
+def test_reports_of_new_pressure_publish_one_state_between_two_ticks_the_rest_waits_for_the_tick(nats_server):
+    # With many executors under pressure, a state per report would go out back to back.
+    config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=1.5, suspect_after_s=60.0,
+                           dead_after_s=120.0)
+
+    async def scenario():
+        bus = await Bus.connect(nats_server.url, "monitor")
+        probe = await Bus.connect(nats_server.url, "probe")
+        states = await _collect(probe, subjects.STATE, ClusterState)
+        await probe.flush()
+        monitor = MonitorService(config)
+        await monitor.start(bus)
+        try:
+            await _until(lambda: states, timeout=5)  # the first tick
+            base = telemetry("e", time.time())
+            await probe.publish(subjects.telemetry("e"), base)
+            for preemptions in (1, 2, 3):
+                await probe.publish(subjects.telemetry("e"), base.model_copy(update={"preemptions": preemptions}))
+                await asyncio.sleep(0.1)
+            assert len(states) == 2  # the first news at once; the others not yet
+            await _until(lambda: len(states) == 3, timeout=3)  # the tick, with the latest
+            assert states[1][1].executors[0].telemetry.preemptions == 1
+            assert states[2][1].executors[0].telemetry.preemptions == 3
+        finally:
+            await monitor.stop()
+            await bus.close()
+            await probe.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_monitor_and_the_controller_count_what_they_did_in_stats_events(nats_server):
+    async def scenario():
+        monitor_bus = await Bus.connect(nats_server.url, "monitor")
+        ctl_bus = await Bus.connect(nats_server.url, "ctl")
+        probe = await Bus.connect(nats_server.url, "probe")
+        events = await _collect(probe, subjects.EVENTS, Event)
+        await probe.flush()
+        monitor = MonitorService(MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.1,
+                                               stats_interval_s=0.5))
+        controller = Controller(ControllerConfig(nats_url=nats_server.url, controller_id="ctl-stats",
+                                                 stats_interval_s=0.5), [])
+        await controller.start(ctl_bus)
+        await monitor.start(monitor_bus)
+        try:
+            for _ in range(5):
+                await probe.publish(subjects.telemetry("e"), telemetry("e", time.time()))
+                await asyncio.sleep(0.1)
+
+            def latest(source: str) -> dict:
+                return next((e.data for _, e in reversed(events) if e.kind == "stats" and e.source == source), {})
+
+            await _until(lambda: latest("monitor").get("telemetry", 0) > 0
+                         and latest("ctl-stats").get("planned", 0) > 0, timeout=5)
+            assert latest("monitor")["telemetry"] <= 5  # counted from the start, each report once
+            assert latest("monitor")["states"] > 0 and latest("monitor")["state_s"] > 0
+            ctl = latest("ctl-stats")
+            assert ctl["states"] >= ctl["planned"] and ctl["plan_s"] > 0
+        finally:
+            await controller.stop()
+            await monitor.stop()
+            for bus in (monitor_bus, ctl_bus, probe):
+                await bus.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_silent_executor_whose_process_is_gone_dies_at_once_a_stalled_one_only_after_dead_after(nats_server):
     config = MonitorConfig(nats_url=nats_server.url, publish_interval_s=0.1, suspect_after_s=0.5, dead_after_s=4.0)
 

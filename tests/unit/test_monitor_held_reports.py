@@ -1,0 +1,52 @@
+"""The monitor judges reports per tick (services/monitor/service.py): on arrival a report is only unpacked, read for
+new pressure and held, the latest per executor; at the tick that one is validated and taken into the view, with the
+finished requests of every report it replaced. Driven here without a bus: bodies in, the view out."""
+
+import time
+
+from services.monitor.service import MonitorService
+from shared.bus import unpack, encode
+from shared.config import MonitorConfig
+from shared.messages import RequestLatency
+from tests.unit.test_monitor_aggregate import telemetry
+
+
+def body(executor: str, at: float, **changes) -> dict:
+    return unpack(encode(telemetry(executor, at).model_copy(update=changes)))
+
+
+def test_only_the_latest_report_of_a_tick_is_judged_with_the_finished_requests_of_all():
+    monitor = MonitorService(MonitorConfig())
+    done = RequestLatency(ttft_s=0.5, tpot_s=0.05)
+    monitor._on_report("morphling.telemetry.a", body("a", 1.0, requests=[done], waiting=1))
+    monitor._on_report("morphling.telemetry.a", body("a", 1.1, requests=[done, done], waiting=7))
+    monitor._on_report("morphling.telemetry.b", body("b", 1.1))
+    assert monitor.reports == 3 and monitor.view.state(time.time()).executors == []  # nothing judged before the tick
+    monitor._judge_held()
+    a, b = monitor.view.state(time.time()).executors
+    assert (a.executor, b.executor) == ("a", "b")
+    assert a.telemetry.time == 1.1 and a.telemetry.waiting == 7
+    assert a.slo.requests == 3
+    monitor._judge_held()  # nothing new: the view stays as it was
+    assert monitor.view.state(time.time()).executors[0].telemetry.time == 1.1
+
+
+def test_new_pressure_events_ask_for_a_state_at_once_on_arrival():
+    monitor = MonitorService(MonitorConfig())
+    monitor._on_report("morphling.telemetry.a", body("a", 1.0))
+    assert not monitor._urgent.is_set()
+    monitor._on_report("morphling.telemetry.a", body("a", 1.1, preemptions=1))
+    assert monitor._urgent.is_set()
+    monitor._urgent.clear()
+    monitor._on_report("morphling.telemetry.a", body("a", 1.2, preemptions=1))  # no news
+    assert not monitor._urgent.is_set()
+    monitor._on_report("morphling.telemetry.a", body("a", 1.3, preemptions=1, instance="i1"))  # a new process
+    assert monitor._urgent.is_set()
+
+
+def test_a_report_that_does_not_validate_is_dropped_at_the_tick_and_the_others_are_judged():
+    monitor = MonitorService(MonitorConfig())
+    monitor._on_report("morphling.telemetry.a", body("a", 1.0) | {"running": "many"})
+    monitor._on_report("morphling.telemetry.b", body("b", 1.0))
+    monitor._judge_held()
+    assert [e.executor for e in monitor.view.state(time.time()).executors] == ["b"]

@@ -6,11 +6,11 @@ retries, the audit trail); which of the planned ones go out at all is dispatch.p
 at a time per executor, none from a state older than its last answer), which the simulator runs too.
 
 A state is validated only when it is planned: the subscription keeps the newest one unpacked, and one that a
-newer one replaced before the planner got to it costs an unpack, not a validation (a state of 1,000 executors is
-0.9 MB: ~25 ms to validate). Validating and planning run in a worker thread, so that the event loop goes on
-reading the bus meanwhile: when states come faster than it plans, it plans on the latest and drops the rest,
-instead of planning each in turn while the newer ones pile up unread in the server (which cut the controller
-off as a slow consumer at 1,000 executors).
+newer one replaced before the planner got to it costs an unpack, not a validation too (a state of 1,000
+executors is 0.9 MB: ~30 ms to unpack and validate, the larger part validating). Validating and planning run in
+a worker thread, so that the event loop goes on reading the bus meanwhile: when states come faster than it
+plans, it plans on the latest and drops the rest, instead of planning each in turn while the newer ones pile up
+unread in the server (which cut the controller off as a slow consumer at 1,000 executors).
 
 Every `stats_interval_s` it publishes a "stats" event with its counts since it started: states received,
 states planned (fewer when states came faster than it planned) and the seconds validating, planning and
@@ -38,9 +38,9 @@ class Controller:
         self.config = config
         self.policies = list(policies)
         # The earlier states a policy is given. The ladder's rungs keep what they need of the past in memories of
-        # their own (hysteresis windows, dwell times) and read none of these; each held state costs memory and
-        # garbage-collection time in proportion to the executors: two minutes of them (600) at 1,000 executors
-        # held gigabytes, and full collections stalled planning for hundreds of milliseconds.
+        # their own (hysteresis windows, dwell times) and read none of these, while each held state costs memory
+        # in proportion to the executors: with two minutes of them (600) the controller grew to 860 MiB within
+        # 35 s at 300 executors (docs/benchmarks.md, `morphling bench-bus`).
         self.history: deque[ClusterState] = deque(maxlen=history_len)
         self.results: deque[CommandResult] = deque(maxlen=1000)
         self.sender: CommandSender | None = None

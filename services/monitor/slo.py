@@ -28,30 +28,13 @@ class SloTracker:
     def __init__(self, ttft_s: float, tpot_s: float, window_s: float):
         self.ttft_s, self.tpot_s, self.window_s = ttft_s, tpot_s, window_s
         self._samples: deque[tuple[float, RequestLatency]] = deque()  # (arrival, sample), oldest first
-        # The last window and the samples it was over ((samples added, samples held) then): a state goes out
-        # more often than most executors finish a request, and sorting every window anew each time was most of
-        # the time a state of 1,000 executors took to build.
-        self._added = 0
-        self._last: tuple[tuple[int, int], SloWindow] | None = None
 
     def add(self, samples: Iterable[RequestLatency], now: float) -> None:
-        before = len(self._samples)
         self._samples.extend((now, s) for s in samples)
-        self._added += len(self._samples) - before
 
     def window(self, now: float) -> SloWindow:
         while self._samples and now - self._samples[0][0] > self.window_s:
             self._samples.popleft()
-        key = (self._added, len(self._samples))
-        everything = not self._samples or self._samples[-1][0] <= now  # no sample from after `now` held back
-        if everything and self._last is not None and self._last[0] == key:
-            return self._last[1]
-        window = self._compute(now)
-        if everything:
-            self._last = (key, window)
-        return window
-
-    def _compute(self, now: float) -> SloWindow:
         inside = [s for arrival, s in self._samples if arrival <= now]
         if not inside:
             return SloWindow()

@@ -28,7 +28,6 @@ Each rung keeps its own memory; this module only decides, from the state and tho
 move an instance this window. Pure like the rungs: `plan` returns the next memory.
 """
 
-import functools
 from dataclasses import dataclass, field, replace
 
 from services.controller.policies import amoebas, cocoserve, cocoserve_algorithms, morph
@@ -54,10 +53,6 @@ def plan(state: ClusterState, memory: LadderMemory, morph_settings: morph.Settin
     """`split_free_fraction` None: no splits, whatever `levers` says (`--amoebas off`)."""
     if "quantize" not in levers:
         morph_settings = NO_SWAPS
-    elif callable(morph_settings):
-        # One settings object per depth per state: built per executor, they were half of a plan's time at 1,000
-        # executors (docs/benchmarks.md, `morphling bench-bus`).
-        morph_settings = functools.cache(morph_settings)
     if "replicate" not in levers:
         coco_settings = replace(coco_settings, mode="off")
 

@@ -39,8 +39,8 @@ class Controller:
         self.policies = list(policies)
         # The earlier states a policy is given. The ladder's rungs keep what they need of the past in memories of
         # their own (hysteresis windows, dwell times) and read none of these, while each held state costs memory
-        # in proportion to the executors: with two minutes of them (600) the controller grew to 860 MiB within
-        # 35 s at 300 executors (docs/benchmarks.md, `morphling bench-bus`).
+        # in proportion to the executors: with two minutes of them (600) the controller grew to 640-860 MiB within
+        # ~30 s at 300 executors (docs/benchmarks.md, `morphling bench-bus`).
         self.history: deque[ClusterState] = deque(maxlen=history_len)
         self.results: deque[CommandResult] = deque(maxlen=1000)
         self.sender: CommandSender | None = None

@@ -8,7 +8,7 @@ that do, all imported from the services:
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
   heartbeat does; each report goes through the monitor's ClusterView (monitor/aggregate.py);
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
-  pressure; the controller (controller/loop.py's Controller.plan, with the policies its process would run)
+  pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's Controller.plan, with the policies its process would run)
   plans on every state, and
   controller/dispatch.py says which planned commands go out (one command at a time per executor, none from
   a state older than the executor's last answer);
@@ -87,6 +87,7 @@ class Simulation:
         self.view = ClusterView(settings.monitor)
         self.controller = Controller(settings.controller, ladder.policies_for(settings.controller))
         self.state: ClusterState | None = None
+        self._urgent_open = True  # a report of new pressure may still publish before the next tick
         self.unreported = Unreported()  # the gateway's count of what it sent since each executor last reported
         self.now = 0.0
         self._heap: list = []
@@ -205,13 +206,15 @@ class Simulation:
     def _report(self, name: str, periodic: bool) -> None:
         telemetry = self.executors[name].telemetry(self.now, MODEL)
         self._published[name] = telemetry.pressure_events
-        if self.view.observe(telemetry, self.now):
+        if self.view.observe(telemetry, self.now) and self._urgent_open:
+            self._urgent_open = False  # the monitor's cap: one state between two ticks for new pressure
             self._publish()
         if periodic:
             self.at(self.now + self.settings.telemetry_interval_s, self._report, name, True)
 
     def _tick(self) -> None:
         self._publish()
+        self._urgent_open = True
         self.at(self.now + self.settings.monitor.publish_interval_s, self._tick)
 
     def _publish(self) -> None:

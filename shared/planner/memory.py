@@ -21,6 +21,7 @@ the start constraint. Embeddings live outside the arena. A plan for a checkpoint
 since this runtime serves that plan.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class Workload:
         return self.prompt * self.chunks + self.output
 
 
+@functools.cache  # pure, and asked for on every simulated step
 def weight_bytes(shape: ModelShape, bits: int, full_bytes: int) -> int:
     """One decoder layer's weights at `bits` (FULL_BITS: the serving dtype, `full_bytes` an element), with the
     quantizers' scales: INT8 one per output channel, INT4 a scale and a zero per group; norms stay full."""

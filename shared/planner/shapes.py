@@ -6,6 +6,7 @@ Shapes are the models' published configs (Hugging Face config.json of each: meta
 HuggingFaceTB/SmolLM2-135M).
 """
 
+import functools
 from dataclasses import dataclass
 
 
@@ -30,14 +31,14 @@ class ModelShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property  # a simulation asks on every step of every executor
     def linears(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each linear operator of a decoder layer, fused as the engine stores them."""
         h, i = self.hidden_size, self.intermediate_size
         return {"qkv_proj": (self.q_size + 2 * self.kv_size, h), "o_proj": (h, self.q_size),
                 "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
 
-    @property
+    @functools.cached_property
     def layer_params(self) -> int:
         """Weights of the linear operators of one decoder layer (what quantization shrinks)."""
         return sum(o * i for o, i in self.linears.values())

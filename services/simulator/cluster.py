@@ -8,8 +8,8 @@ that do, all imported from the services:
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
   heartbeat does; each report goes through the monitor's ClusterView (monitor/aggregate.py);
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
-  pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's Controller.plan, with the policies its process would run)
-  plans on every state, and
+  pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's
+  Controller.plan, with the policies its process would run) plans on every state, and
   controller/dispatch.py says which planned commands go out (one command at a time per executor, none from
   a state older than the executor's last answer);
 - a command reaches its executor after `bus_latency_s`, waits for the step boundary, takes what

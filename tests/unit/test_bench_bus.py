@@ -6,8 +6,9 @@ import random
 import pytest
 
 from services.bench import bus_scale
-from services.bench.bus_scale import (BASE_KV_PAGES, DEPTH, SLOT_PAGES, Snapshot, StateSample, SyntheticExecutor,
-                                      Watch, counter_rate, cpu_percent, seconds_per_count, shares, summarize)
+from services.bench.bus_load import BASE_KV_PAGES, DEPTH, SLOT_PAGES, SyntheticExecutor, executor_names, shares
+from services.bench.bus_scale import (Snapshot, StateSample, Watch, counter_rate, cpu_percent, seconds_per_count,
+                                      summarize)
 from shared.bus import decode, encode
 from shared.messages import (Command, DrainArgs, ExecutorTelemetry, PingArgs, QuantizeArgs, RestoreArgs)
 
@@ -74,7 +75,7 @@ def test_ping_is_answered_and_what_a_synthetic_executor_cannot_do_is_refused():
 @pytest.mark.parametrize("n, per_process, sizes", [(10, 500, [10]), (1000, 500, [500, 500]),
                                                     (1001, 500, [334, 334, 333]), (3, 1, [1, 1, 1])])
 def test_executors_are_spread_evenly_over_as_few_processes_as_the_bound_allows(n, per_process, sizes):
-    names = bus_scale.executor_names(n)
+    names = executor_names(n)
     parts = shares(names, per_process)
     assert [len(p) for p in parts] == sizes
     assert sorted(name for part in parts for name in part) == sorted(names)

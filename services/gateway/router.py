@@ -1,4 +1,5 @@
-"""Which executor gets the next request: a pure function of the monitor's cluster state.
+"""Which executor gets the next request: a pure function of the monitor's cluster state and of what the
+gateway sent since each executor's last report (Unreported).
 
 Pure so that it is tested without a bus and so that the gateway's retry loop (queue full, executor
 gone) is just "call again with the failed ones excluded".

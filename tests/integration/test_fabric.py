@@ -64,6 +64,21 @@ def cluster(url: str) -> dict:
     return httpx.get(f"{url}/v1/cluster", timeout=10).json()
 
 
+def agreed_cluster(url: str, timeout_s: float = 10.0) -> dict:
+    """The cluster once every executor reports all KV blocks free and the same number of them, or as it is at
+    the timeout. A keepalive tells a follower the blocks' state after the last step, and the controller may
+    reshape an idle instance (CoCoServe's scale-up): the members' reports of a change arrive up to a report
+    interval apart."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = cluster(url)
+        kv = [e["kv"] for e in state["executors"]]
+        settled = all(k["pages_used"] == 0 for k in kv) and len({k["pages_free"] for k in kv}) == 1
+        if settled or time.monotonic() > deadline:
+            return state
+        time.sleep(0.25)
+
+
 def serve(tmp_path, model: str, flags: tuple[str, ...], *shape: str) -> UpProcess:
     up = UpProcess(tmp_path, "--model", model, *flags, *shape, env=clean_env())
     try:
@@ -108,8 +123,7 @@ def test_the_default_model_across_two_executors_generates_what_one_executor_does
     try:
         with concurrent.futures.ThreadPoolExecutor(len(concurrent_prompts)) as pool:
             got = list(pool.map(lambda p: complete(up.url, "SmolLM2-135M-Instruct", p), concurrent_prompts))
-        time.sleep(1.5)  # a keepalive tells the follower the blocks' state after the last step
-        state = cluster(up.url)
+        state = agreed_cluster(up.url)
     finally:
         up.interrupt(STOP_TIMEOUT_S)
     assert got == expected

@@ -245,7 +245,13 @@ class ExecutorTelemetry(Message):
 
     def pressure_since(self, instance: str, count: int) -> int:
         """Pressure events since a report of `instance` counted `count`; a new process counts from zero."""
-        return self.pressure_events - (count if instance == self.instance else 0)
+        return pressure_since(self.pressure_events, self.instance, instance, count)
+
+
+def pressure_since(events: int, instance: object, earlier_instance: object, earlier_events: int) -> int:
+    """Pressure events a report of `instance` counting `events` adds to an earlier report's count; a new process
+    (another instance) counts from zero. The monitor asks it of reports it has not validated yet."""
+    return events - (earlier_events if instance == earlier_instance else 0)
 
 
 def pressure_events(preemptions: int, admission_blocked: int, rejected: int) -> int:

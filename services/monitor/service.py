@@ -43,7 +43,8 @@ from services.monitor.aggregate import UP, ClusterView
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, NoResponders, StreamError, stop_on_signals, unsubscribe, validate
 from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
-from shared.messages import Command, CommandResult, Event, ExecutorTelemetry, PingArgs, pressure_events
+from shared.messages import (Command, CommandResult, Event, ExecutorTelemetry, PingArgs, pressure_events,
+                             pressure_since)
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class MonitorService:
             return  # validation refuses it at the tick
         instance, before = self._last.get(executor, (None, 0))
         self._last[executor] = (body.get("instance"), pressure)
-        if pressure - (before if instance == body.get("instance") else 0) > 0:
+        if pressure_since(pressure, body.get("instance"), instance, before) > 0:
             self._urgent.set()
 
     def _judge_held(self) -> None:

@@ -1,5 +1,5 @@
-"""CoCoServe's operations by hand, end to end: `morphling up --executors 2 --plan` with every layer of the
-default model on exec0 and exec1 spare, `POST /v1/cluster/morph` through the gateway, the official
+"""CoCoServe's operations by hand, end to end: `morphling up --executors 2 --plan --mode off` with every layer
+of the default model on exec0 and exec1 spare, `POST /v1/cluster/morph` through the gateway, the official
 `openai` client over real HTTP.
 
 Greedy output of a fixed prompt is the same before and after each replicate, migrate and evict; a stream
@@ -25,8 +25,10 @@ STREAM_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
+    # --mode off: the controller would replicate onto the member these operations leave idle (CI saw it copy
+    # layers 15-19 to exec1 between two of them), and this file checks what each operation alone does.
     proc = serve(tmp_path_factory.mktemp("cocoserve"), "default", DEFAULT_FLAGS, "--executors", "2",
-                 "--plan", str(PLAN))
+                 "--plan", str(PLAN), "--mode", "off")
     yield proc
     proc.interrupt(60)
 

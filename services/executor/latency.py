@@ -30,20 +30,23 @@ class LatencyWindow:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._items: deque[tuple[float, float]] = deque()
+        self._sum = 0.0  # of the values in _items: every report asks for the mean of a window of many
         self._lock = threading.Lock()
 
     def record(self, value: float, now: float | None = None) -> None:
         with self._lock:
             self._items.append((now if now is not None else time.monotonic(), value))
+            self._sum += value
 
     def mean(self, now: float | None = None) -> float:
         cutoff = (now if now is not None else time.monotonic()) - self.window_s
         with self._lock:
             while self._items and self._items[0][0] < cutoff:
-                self._items.popleft()
+                self._sum -= self._items.popleft()[1]
             if not self._items:
+                self._sum = 0.0  # what subtracting left of rounding goes with the last value
                 return 0.0
-            return sum(v for _, v in self._items) / len(self._items)
+            return self._sum / len(self._items)
 
 
 class FinishedSamples:
@@ -71,12 +74,13 @@ class BusyWindow:
     """The share of the last `window_s` seconds spent inside busy spans.
 
     A span still going counts up to now, so that a long step (a big prefill) reads as busy while it runs,
-    not only once it ends. One thread marks the spans, another reads the share.
+    not only once it ends. One thread marks the spans, one after another, and another reads the share.
     """
 
     def __init__(self, window_s: float = 1.0):
         self.window_s = window_s
-        self._spans: deque[tuple[float, float]] = deque()  # (start, end), oldest first
+        self._spans: deque[tuple[float, float]] = deque()  # (start, end), oldest first, none overlapping
+        self._total = 0.0  # their lengths: every report asks, and a window holds a step's worth of spans
         self._started: float | None = None
         self._lock = threading.Lock()
 
@@ -90,6 +94,7 @@ class BusyWindow:
             if self._started is None:
                 return
             self._spans.append((self._started, end))
+            self._total += end - self._started
             self._started = None
             self._forget_before(end - self.window_s)
 
@@ -106,13 +111,23 @@ class BusyWindow:
         cutoff = now - self.window_s
         with self._lock:
             self._forget_before(cutoff)
-            spans = [*self._spans, *([(self._started, now)] if self._started is not None else [])]
-        busy = sum(max(0.0, min(end, now) - max(start, cutoff)) for start, end in spans)
-        return min(1.0, busy / self.window_s)
+            busy = self._total
+            if self._spans:
+                busy -= max(0.0, cutoff - self._spans[0][0])  # only the oldest can begin before the window
+                for start, end in reversed(self._spans):  # a simulated member's span may end after now
+                    if end <= now:
+                        break
+                    busy -= end - max(start, now)
+            if self._started is not None:
+                busy += max(0.0, now - max(self._started, cutoff))
+        return min(1.0, max(0.0, busy) / self.window_s)
 
     def _forget_before(self, cutoff: float) -> None:
         while self._spans and self._spans[0][1] <= cutoff:
-            self._spans.popleft()
+            start, end = self._spans.popleft()
+            self._total -= end - start
+        if not self._spans:
+            self._total = 0.0  # what subtracting left of rounding goes with the last span
 
 
 @dataclass

@@ -11,6 +11,7 @@ candidates. An executor without a plan is a standalone one and leads itself.
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from shared.messages import ClusterState, ExecutorState
 from shared.plans import leads
@@ -34,9 +35,12 @@ class Unreported:
 
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[float, int]]] = {}  # executor -> (sent at, its prompt's pages)
+        self._totals: dict[str, Sent] = {}  # what view() shows, kept as sending goes: it is asked per request
 
     def add(self, executor: str, sent_at: float, pages: int) -> None:
         self._sent.setdefault(executor, []).append((sent_at, pages))
+        before = self._totals.get(executor, NOTHING_SENT)
+        self._totals[executor] = Sent(before.requests + 1, before.pages + pages)
 
     def forget_reported(self, state: ClusterState) -> None:
         """Drop what each executor's report in `state` already counts: sent before it was taken. Executors
@@ -44,9 +48,10 @@ class Unreported:
         reported = {e.executor: e.telemetry.time for e in state.executors}
         self._sent = {name: kept for name, sent in self._sent.items() if name in reported
                       and (kept := [(t, pages) for t, pages in sent if t > reported[name]])}
+        self._totals = {name: Sent(len(sent), sum(pages for _, pages in sent)) for name, sent in self._sent.items()}
 
-    def view(self) -> dict[str, Sent]:
-        return {name: Sent(len(sent), sum(pages for _, pages in sent)) for name, sent in self._sent.items()}
+    def view(self) -> Mapping[str, Sent]:
+        return MappingProxyType(self._totals)
 
 
 def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:
@@ -89,8 +94,8 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
     """The default order without weighing every executor per request. Sending only raises an executor's load,
     so the least loaded is the better of those sent to and the first of the state's order that was not: a
     gateway routing hundreds of requests a second over a thousand executors walks a few of them, not all."""
-    ordered = _by_load(state, model)
-    best = min((_load(e, sent[e.executor]) for e in ordered if e.executor in sent and e.executor not in exclude),
+    ordered, by_name = _by_load(state, model)
+    best = min((_load(by_name[name], s) for name, s in sent.items() if name in by_name and name not in exclude),
                default=None)
     for e in ordered:
         if e.executor not in sent and e.executor not in exclude:
@@ -100,13 +105,16 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
     return None if best is None else best[-1]
 
 
-_order_cache: list = [None, None, []]  # [state, model, its serving executors by load]: one state is routed on at a time
+# [state, model, its serving executors by load, and by name]: one state is routed on at a time
+_order_cache: list = [None, None, [], {}]
 
 
-def _by_load(state: ClusterState | None, model: str) -> list[ExecutorState]:
+def _by_load(state: ClusterState | None, model: str) -> tuple[list[ExecutorState], dict[str, ExecutorState]]:
     if _order_cache[0] is not state or _order_cache[1] != model:
-        _order_cache[:] = [state, model, sorted(serving(state, model), key=lambda e: _load(e, NOTHING_SENT))]
-    return _order_cache[2]
+        candidates = serving(state, model)
+        _order_cache[:] = [state, model, sorted(candidates, key=lambda e: _load(e, NOTHING_SENT)),
+                           {e.executor: e for e in candidates}]
+    return _order_cache[2], _order_cache[3]
 
 
 def kv_in_use(e: ExecutorState, pending_pages: int = 0) -> float:

@@ -28,19 +28,34 @@ class SloTracker:
     def __init__(self, ttft_s: float, tpot_s: float, window_s: float):
         self.ttft_s, self.tpot_s, self.window_s = ttft_s, tpot_s, window_s
         self._samples: deque[tuple[float, RequestLatency]] = deque()  # (arrival, sample), oldest first
+        self._last: SloWindow | None = None  # the window of the samples as they are now, every one inside
 
     def add(self, samples: Iterable[RequestLatency], now: float) -> None:
+        before = len(self._samples)
         self._samples.extend((now, s) for s in samples)
+        if len(self._samples) != before:
+            self._last = None
 
     def window(self, now: float) -> SloWindow:
         while self._samples and now - self._samples[0][0] > self.window_s:
             self._samples.popleft()
+            self._last = None
+        # The monitor asks every executor's window for every state, and most have not changed since the last.
+        if self._last is not None and (not self._samples or self._samples[-1][0] <= now):
+            return self._last
         inside = [s for arrival, s in self._samples if arrival <= now]
-        if not inside:
-            return SloWindow()
-        violations = sum(1 for s in inside if s.ttft_s > self.ttft_s or s.tpot_s > self.tpot_s)
-        ttft = sorted(s.ttft_s for s in inside)
-        tpot = sorted(s.tpot_s for s in inside if s.tpot_s > 0)
-        return SloWindow(requests=len(inside), violation_rate=violations / len(inside),
-                         ttft_p50_s=nearest_rank(ttft, 50), ttft_p95_s=nearest_rank(ttft, 95),
-                         tpot_p50_s=nearest_rank(tpot, 50), tpot_p95_s=nearest_rank(tpot, 95))
+        window = _window(inside, self.ttft_s, self.tpot_s)
+        if len(inside) == len(self._samples):
+            self._last = window
+        return window
+
+
+def _window(inside: list[RequestLatency], slo_ttft_s: float, slo_tpot_s: float) -> SloWindow:
+    if not inside:
+        return SloWindow()
+    violations = sum(1 for s in inside if s.ttft_s > slo_ttft_s or s.tpot_s > slo_tpot_s)
+    ttft = sorted(s.ttft_s for s in inside)
+    tpot = sorted(s.tpot_s for s in inside if s.tpot_s > 0)
+    return SloWindow(requests=len(inside), violation_rate=violations / len(inside),
+                     ttft_p50_s=nearest_rank(ttft, 50), ttft_p95_s=nearest_rank(ttft, 95),
+                     tpot_p50_s=nearest_rank(tpot, 50), tpot_p95_s=nearest_rank(tpot, 95))

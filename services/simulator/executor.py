@@ -119,6 +119,7 @@ class SimExecutor(MemberArena):
         self.mapped: list[int] = []  # in an instance: the pages of ours backing its blocks, by block id
         self.hold_until = 0.0  # a merged instance's leader: no split before
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
+        self.units_key: tuple | None = None  # what they were computed from
         if static_bits != FULL_BITS:
             self.set_bits(list(range(self.shape.num_layers)), static_bits)
 
@@ -286,11 +287,13 @@ class SimExecutor(MemberArena):
     def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
         leads = self.group is None or self.group.plan.leader == self.id
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
+        snap = self.ledger.snapshot()
         return ExecutorTelemetry(
             executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
-            block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self._kv_pages(),
+            block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self._kv_pages(snap),
             layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
-            world=list(self.world), kv_units=self.kv_units(), spare_pages=self.ledger.num_free if self.group else 0,
+            world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),
+            spare_pages=self.ledger.num_free if self.group else 0,
             longest_blocks=max((self.blocks_at_end(len(s.prompt_ids), s.params.max_tokens) for s in waiting),
                                default=0),
             merge_hold_s=max(0.0, self.hold_until - now) if self.group is not None else 0.0,

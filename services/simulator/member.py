@@ -4,6 +4,7 @@ the instance's blocks, the KV head units it reports for AMOEBAs' merges, and its
 them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`, `_slot`) it works on.
 """
 
+from services.executor.engine.memory.ledger import LedgerSnapshot
 from services.simulator.tp import ffn_pages_freed
 from shared.messages import KvPages, KvUnits
 from shared.tp_scheduler import MAX_TP
@@ -58,22 +59,26 @@ class MemberArena:
         """KV blocks the instance holds empty: the most one sequence can take."""
         return self.group.num_blocks if self.group is not None else self.ledger.snapshot().pages_kv
 
-    def kv_units(self) -> list[KvUnits]:
+    def kv_units(self, pages_kv: int | None = None) -> list[KvUnits]:
         """merge.kv_units: its KV head units as a member of each TP instance its world can form, as the worker
         caches them: recomputed while it serves alone, the last ones standing while merged (what it holds once
-        it splits), none in an instance it started in (its cache starts empty)."""
+        it splits), none in an instance it started in (its cache starts empty). `pages_kv`: the ledger's, when
+        the caller has its snapshot."""
         if self.group is not None:
             return self.units if self.group.plan.merged else []
         if len(self.world) < 2:
             return []
-        pages = self.ledger.snapshot().pages_kv
-        heads = self.shape.num_kv_heads
-        self.units = [KvUnits(tp=k, units=heads * (pages + ffn_pages_freed(self, k)))
-                      for k in (1, 2, MAX_TP) if k <= len(self.world)]
+        pages = self.ledger.snapshot().pages_kv if pages_kv is None else pages_kv
+        # Every report asks; weighing the layers' FFN cuts each time was a third of a thousand-executor run.
+        key = (pages, tuple(self.layer_bits), frozenset(self.held), len(self.world))
+        if key != self.units_key:
+            heads = self.shape.num_kv_heads
+            self.units = [KvUnits(tp=k, units=heads * (pages + ffn_pages_freed(self, k)))
+                          for k in (1, 2, MAX_TP) if k <= len(self.world)]
+            self.units_key = key
         return self.units
 
-    def _kv_pages(self) -> KvPages:
-        snap = self.ledger.snapshot()
+    def _kv_pages(self, snap: LedgerSnapshot) -> KvPages:
         if self.group is None:
             return KvPages(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
                            pages_used=snap.pages_kv_used, pages_base=snap.pages_base,

@@ -11,9 +11,11 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.executor.follower import FollowerService
-from services.executor.latency import BusyWindow, FinishedSamples
+from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.executor.service import ExecutorService
 from services.executor.engine.scheduling.growth import pages_growth
 from shared import subjects
@@ -118,6 +120,35 @@ def test_busy_is_the_share_of_the_last_window_inside_spans_a_running_one_include
     assert busy.share(now=14.0) == 1.0
     busy.end(now=14.0)
     assert busy.share(now=15.5) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.floats(0.0, 1.5)), max_size=30),
+       st.booleans())
+def test_the_windows_kept_sums_agree_with_summing_the_window_each_time(steps, running):
+    """BusyWindow and LatencyWindow keep running sums (every telemetry report asks); the share and the mean
+    are what summing the window's spans and values afresh gives, as gaps, spans and reads come in any mix."""
+    busy, latency = BusyWindow(window_s=1.0), LatencyWindow(window_s=1.0)
+    spans, values, now = [], [], 0.0
+    for gap, length, read_after in steps:
+        start = now + gap
+        busy.begin(start)
+        busy.end(start + length)
+        spans.append((start, start + length))
+        latency.record(length, start + length)
+        values.append((start + length, length))
+        now = start + length
+        read_at = now + read_after
+        cutoff = read_at - 1.0
+        expected = sum(max(0.0, min(end, read_at) - max(begin, cutoff)) for begin, end in spans)
+        assert busy.share(read_at) == pytest.approx(min(1.0, expected), abs=1e-9)
+        inside = [v for t, v in values if t >= cutoff]
+        assert latency.mean(read_at) == pytest.approx(sum(inside) / len(inside) if inside else 0.0, abs=1e-9)
+        now = read_at  # the clock only moves on
+    if running:
+        busy.begin(now)
+        expected = sum(max(0.0, min(end, now + 0.5) - max(begin, now - 0.5)) for begin, end in spans) + 0.5
+        assert busy.share(now + 0.5) == pytest.approx(min(1.0, expected), abs=1e-9)
 
 
 def test_a_follower_is_busy_inside_its_part_of_a_step_not_while_waiting_for_the_next():

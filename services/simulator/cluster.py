@@ -26,6 +26,7 @@ Events in the audit shape (`command`, `pressure`) are kept so that the bench's e
 events.reaction read a simulation as they read a real run.
 """
 
+import gc
 import heapq
 import itertools
 import time
@@ -130,9 +131,17 @@ class Simulation:
         for r in requests:
             self.at(r.arrival_s, self.arrive, r)
         end = max((r.arrival_s for r in requests), default=0.0) + self.settings.drain_s
-        while self._heap and self._heap[0][0] <= end and self._ended < len(requests):
-            self.now, _, handler, args = heapq.heappop(self._heap)
-            handler(*args)
+        collecting = gc.isenabled()
+        # The loop makes millions of objects and few cycles; the cyclic collector rescanning all of them as they
+        # pile up was 40% of a thousand-executor run (77 s against 45 s, for 0.5 GiB more at the peak).
+        gc.disable()
+        try:
+            while self._heap and self._heap[0][0] <= end and self._ended < len(requests):
+                self.now, _, handler, args = heapq.heappop(self._heap)
+                handler(*args)
+        finally:
+            if collecting:
+                gc.enable()
         for r in requests:
             if r.done_s is None:
                 r.error = "unfinished at the end of the drain"

@@ -6,7 +6,7 @@ them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`,
 
 from services.executor.engine.memory.ledger import LedgerSnapshot
 from services.simulator.tp import ffn_pages_freed
-from shared.messages import KvPages, KvUnits
+from shared.messages import KvUnits
 from shared.tp_scheduler import MAX_TP
 
 
@@ -78,13 +78,14 @@ class MemberArena:
             self.units_key = key
         return self.units
 
-    def _kv_pages(self, snap: LedgerSnapshot) -> KvPages:
+    def _kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
+        """Telemetry's KvPages, as fields: validated inside the report (one validation a report, not two)."""
         if self.group is None:
-            return KvPages(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
-                           pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
-                           pages_extension=snap.pages_extension)
+            return dict(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
+                        pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
+                        pages_extension=snap.pages_extension)
         blocks, free = self.group.num_blocks, self.group.ledger.num_free
         slot = snap.pages_slot - self.group.freed_pages(self.id)
         extension = max(0, blocks - (snap.pages_total - slot - snap.pages_extension))
-        return KvPages(pages_total=snap.pages_total, pages_slot=slot, pages_free=free, pages_used=blocks - free,
-                       pages_base=blocks - extension, pages_extension=extension)
+        return dict(pages_total=snap.pages_total, pages_slot=slot, pages_free=free, pages_used=blocks - free,
+                    pages_base=blocks - extension, pages_extension=extension)

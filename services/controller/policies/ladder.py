@@ -28,6 +28,7 @@ Each rung keeps its own memory; this module only decides, from the state and tho
 move an instance this window. Pure like the rungs: `plan` returns the next memory.
 """
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from services.controller.policies import amoebas, cocoserve, cocoserve_algorithms, morph
@@ -86,7 +87,9 @@ def make_policy(profile: SpeedupProfile | None = None) -> Policy:
     def ladder_policy(state: ClusterState, history: list[ClusterState],
                       config: ControllerConfig) -> list[PlannedCommand]:
         nonlocal memory
-        commands, memory = plan(state, memory, lambda n: morph.settings_for_config(config, n),
+        # Asked of every executor, twice: at a thousand executors, building them each time was a third of a plan.
+        settings = functools.cache(lambda num_layers: morph.settings_for_config(config, num_layers))
+        commands, memory = plan(state, memory, settings,
                                 cocoserve_algorithms.settings_for_config(config), costs, config.levers,
                                 config.split_free_fraction if config.amoebas else None)
         return commands

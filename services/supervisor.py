@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import PROJECT_ROOT
+from shared.config import BUS_MAX_PAYLOAD_BYTES, PROJECT_ROOT
 from shared.net import free_port, port_is_free
 
 NATS_PORT = 4222
@@ -222,8 +222,10 @@ class Cluster:
         port = port or (NATS_PORT if port_is_free(NATS_PORT) else free_port())
         store = self.log_dir / "jetstream"
         monitoring = ["-m", str(monitor_port)] if monitor_port is not None else []
-        child = self.spawn("nats-server", "nats-server", [nats_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
-                                                          "-sd", str(store), *monitoring])
+        conf = self.log_dir / "nats-server.conf"  # max_payload has no command-line flag
+        conf.write_text(f"max_payload: {BUS_MAX_PAYLOAD_BYTES}\n")
+        child = self.spawn("nats-server", "nats-server", [nats_binary(), "-c", str(conf), "-a", "127.0.0.1",
+                                                          "-p", str(port), "-js", "-sd", str(store), *monitoring])
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if child.proc.poll() is not None:

@@ -13,6 +13,12 @@ RESULTS_DIR = PROJECT_ROOT / "docs" / "results"  # where recorded benchmark and 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `--model default` serves
 
+# The largest message the bus carries (nats-server's max_payload; deploy/nats.conf says the same). The cluster
+# state holds every executor's report, ~0.9 KiB each: NATS's default of 1 MiB stops the monitor publishing
+# at ~1,180 executors, 8 MiB (the most NATS advises) at ~9,000 (docs/benchmarks.md, "The monitor and
+# controller at 1,000 executors").
+BUS_MAX_PAYLOAD_BYTES = 8 << 20
+
 
 def served_model_name(model: str) -> str:
     """The name a model is served and reported under: the default's own name, else the path's basename."""

@@ -1,5 +1,6 @@
 """The `morphling` command line and the process orchestration of `morphling up`, without the services."""
 
+import asyncio
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,7 @@ from services.supervisor import (CRASH_LOOP, CRASH_LOOP_RESTARTS, CRASH_LOOP_WIN
                                  RESTART_FIRST_DELAY_S, RESTART_MAX_DELAY_S, RESTART_RESET_AFTER_S, STARTUP_FAILURE,
                                  WAIT, Cluster, RestartPolicy, decide)
 from services.up import parse_args, refused
-from shared.config import read_swap_order
+from shared.config import BUS_MAX_PAYLOAD_BYTES, read_swap_order
 from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,6 +169,17 @@ def _listening(port: int) -> bool:
         return False
 
 
+async def round_trip(url: str, size: int) -> tuple[int, int]:
+    """(the server's max_payload, the bytes a message of `size` arrived with)."""
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.subscribe("big")
+        await nc.publish("big", b"x" * size)
+        return nc.max_payload, len((await sub.next_msg(timeout=5)).data)
+    finally:
+        await nc.close()
+
+
 def test_embedded_nats_server_starts_and_stops(tmp_path):
     with Cluster(tmp_path) as cluster:
         url = cluster.start_nats()
@@ -179,6 +192,8 @@ def test_embedded_nats_server_starts_and_stops(tmp_path):
         while not (tmp_path / "jetstream").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (tmp_path / "jetstream").exists()
+        # It carries a cluster state of more executors than NATS's default 1 MiB allows (~1,180).
+        assert asyncio.run(round_trip(url, 2 << 20)) == (BUS_MAX_PAYLOAD_BYTES, 2 << 20)
     (nats,) = cluster.children
     assert nats.proc.poll() is not None
     assert not _listening(port)

@@ -16,7 +16,7 @@ from services.cli import COMMANDS
 from services.supervisor import nats_binary
 from shared import subjects
 from shared.bus import Bus
-from shared.config import EventStreamConfig
+from shared.config import BUS_MAX_PAYLOAD_BYTES, EventStreamConfig
 from shared.messages import Event, TokenizeReply, TokenizeRequest
 from shared.net import free_port
 from tests.nats_server import until_routed
@@ -181,11 +181,12 @@ def test_nats_permissions_are_enforced(secured_nats):
     def url(user: str) -> str:
         return f"nats://{user}:{user}-pw@127.0.0.1:{port}"
 
-    async def scenario() -> tuple[list[bytes], bool]:
+    async def scenario() -> tuple[list[bytes], bool, int]:
         async def quiet(exc):
             pass
 
         monitor = await nats.connect(url("monitor"), error_cb=quiet)
+        max_payload = monitor.max_payload
         executor = await nats.connect(url("executor"), error_cb=quiet)
         gateway = await nats.connect(url("gateway"), error_cb=quiet)
         got: list[bytes] = []
@@ -215,11 +216,12 @@ def test_nats_permissions_are_enforced(secured_nats):
             wrong_password_accepted = False
         for nc in (monitor, executor, gateway):
             await nc.close()
-        return got, wrong_password_accepted
+        return got, wrong_password_accepted, max_payload
 
-    got, wrong_password_accepted = asyncio.run(scenario())
+    got, wrong_password_accepted, max_payload = asyncio.run(scenario())
     assert got and set(got) == {b"from executor"}
     assert not wrong_password_accepted
+    assert max_payload == BUS_MAX_PAYLOAD_BYTES  # the monitor's state of ~1,180 executors and more fits
 
 
 def test_the_monitor_keeps_events_and_the_operator_reads_them_under_these_permissions(secured_nats):

@@ -6,7 +6,9 @@ that do, all imported from the services:
   and on a full queue tries the next with the refuser excluded, as the gateway's retry loop does;
 - every executor reports ExecutorTelemetry every `telemetry_interval_s`, and at once after a step that
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
-  heartbeat does; each report goes through the monitor's ClusterView (monitor/aggregate.py);
+  heartbeat does; the monitor reads each report for new pressure as it arrives and takes each executor's
+  newest report, with the finished requests of those it replaced, into its ClusterView (monitor/aggregate.py)
+  when it next publishes (monitor/service.py's held reports);
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
   pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's
   Controller.plan, with the policies its process would run) plans on every state, and
@@ -47,7 +49,7 @@ from services.simulator.fleet import Fleet
 from services.simulator.instance import SimInstance
 from services.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event, TpMergeArgs, pressure_events
+from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs, pressure_events, pressure_since
 from shared.plans import alone, parse_plans
 
 MODEL = "simulated"
@@ -99,6 +101,9 @@ class Simulation:
         self._busy: set[str] = set()  # a command in flight, as the controller sees it
         self._settled: dict[str, float] = {}
         self._published: dict[str, int] = {}  # pressure events in each executor's last report
+        self._heard: dict[str, tuple[str, int]] = {}  # the monitor's (instance, pressure events) of each last report
+        self._held: dict[str, tuple[ExecutorTelemetry, float, list]] = {}  # the monitor's newest report since the
+        # last state: (it, when it came, the finished requests of it and of those it replaced)
         self._pressure_sent: dict[str, float] = {}
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []
@@ -215,7 +220,11 @@ class Simulation:
     def _report(self, name: str, periodic: bool) -> None:
         telemetry = self.executors[name].telemetry(self.now, MODEL)
         self._published[name] = telemetry.pressure_events
-        if self.view.observe(telemetry, self.now) and self._urgent_open:
+        held = self._held.get(name)
+        self._held[name] = (telemetry, self.now, telemetry.requests if held is None else held[2] + telemetry.requests)
+        rose = pressure_since(telemetry.pressure_events, telemetry.instance, *self._heard.get(name, (None, 0))) > 0
+        self._heard[name] = (telemetry.instance, telemetry.pressure_events)
+        if rose and self._urgent_open:
             self._urgent_open = False  # the monitor's cap: one state between two ticks for new pressure
             self._publish()
         if periodic:
@@ -227,6 +236,11 @@ class Simulation:
         self.at(self.now + self.settings.monitor.publish_interval_s, self._tick)
 
     def _publish(self) -> None:
+        for telemetry, arrived, requests in self._held.values():
+            if requests is not telemetry.requests:
+                telemetry = telemetry.model_copy(update={"requests": requests})
+            self.view.observe(telemetry, arrived)
+        self._held = {}
         self.state = self.view.state(self.now)
         self.unreported.forget_reported(self.state)
         if not self.controller.policies:

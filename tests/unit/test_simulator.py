@@ -16,6 +16,7 @@ from services.controller.dispatch import sendable
 from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
 from services.simulator import run as simulate_cli
+from services.monitor.aggregate import ClusterView
 from services.simulator.cluster import SimSettings, Simulation
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fidelity import compare
@@ -307,3 +308,24 @@ def test_cocoserve_and_amoebas_run_end_to_end_on_the_cpu_bench_fleet(tmp_path, c
     for mode in report["modes"].values():
         window = next(iter(mode["windows"].values()))
         assert window["request_count"] > 0 and window["failed"] == 0
+
+
+def test_the_monitor_takes_each_executors_newest_report_into_a_state_with_every_finished_request(tmp_path,
+                                                                                                monkeypatch):
+    """As monitor/service.py holds reports: at 20 reports a second and 2 states a second, a state takes in one
+    report per executor, the newest, carrying the finished requests of those it replaced."""
+    built, observed, published = [], [], []
+    telemetry, observe, publish = SimExecutor.telemetry, ClusterView.observe, Simulation._publish
+    monkeypatch.setattr(SimExecutor, "telemetry", lambda self, now, model: built.append(
+        telemetry(self, now, model)) or built[-1])
+    monkeypatch.setattr(ClusterView, "observe", lambda self, t, now: observed.append(t) or observe(self, t, now))
+    monkeypatch.setattr(Simulation, "_publish", lambda self: published.append(self.now) or publish(self))
+    sim = Simulation(read_fleet(write_fleet(tmp_path)), SimSettings(
+        controller=ControllerConfig(levers=()), monitor=MonitorConfig(publish_interval_s=0.5),
+        telemetry_interval_s=0.05))
+    run = sim.run([TraceRequest(0.1 * i, 20, 2) for i in range(12)])
+    assert all(r.error is None for r in run.requests)
+    before_last = [t for t in built if t.time <= published[-1]]
+    assert len(before_last) > 4 * len(published) and len(observed) <= len(published)
+    assert [t.time for t in observed][-1] == max(t.time for t in before_last)  # the newest
+    assert sum(len(t.requests) for t in observed) == sum(len(t.requests) for t in before_last) > 0

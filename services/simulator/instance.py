@@ -23,6 +23,8 @@ A step, segment by segment (shared/plans.segments), as the fabric runs it:
 - then the rest of a step on the leader (the speed-up profile's overhead line).
 """
 
+from collections import Counter
+
 from services.executor.engine.errors import OutOfPagesError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
@@ -30,7 +32,7 @@ from services.executor.engine.scheduling.scheduler import ScheduledChunk, Schedu
 from services.executor.fabric.replicas import assign_replicas, reassign
 from services.simulator import costs
 from shared.messages import EvictArgs, InstancePlan, MigrateArgs, ReplicateArgs
-from shared.plans import OperationRefused, layers_on, reshaped, segments
+from shared.plans import OperationRefused, Segment, layers_on, reshaped, segments
 
 Operation = ReplicateArgs | MigrateArgs | EvictArgs
 
@@ -44,6 +46,7 @@ class SimInstance:
 
     def __init__(self, plan: InstancePlan, members: dict, max_model_len: int):
         self.plan, self.members = plan, members
+        self.parts = _parts(plan)
         self.leader = members[plan.leader]
         for name, member in members.items():
             member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
@@ -102,7 +105,7 @@ class SimInstance:
             member.unmap_blocks(min(after, before))
             member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
             member.map_blocks(after)
-        self.plan = plan
+        self.plan, self.parts = plan, _parts(plan)
         for member in self.members.values():
             member.plan = plan
         shape, leader = self.leader.shape, self.leader
@@ -126,8 +129,7 @@ class SimInstance:
     # --- a step -----------------------------------------------------------------------------------
     def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
         """(the step's seconds, each member's computing seconds in it)."""
-        leader, plan = self.plan.leader, self.plan
-        spec = self.leader.spec
+        leader, spec = self.plan.leader, self.leader.spec
         shape, dtype_bytes = self.leader.shape, spec.dtype_bytes
 
         def hop(tokens: int) -> float:
@@ -135,8 +137,7 @@ class SimInstance:
 
         busy = dict.fromkeys(self.members, 0.0)
         seconds = 0.0
-        for index, segment in enumerate(segments(plan)):
-            bits = [plan.layers[i].bits for i in range(segment.start, segment.stop)]
+        for index, (segment, bits) in enumerate(self.parts):
             if len(segment.placement) == 1:
                 owners = {segment.placement[0]: chunks}
             else:
@@ -147,7 +148,7 @@ class SimInstance:
             longest = 0.0
             for name, mine in owners.items():
                 member = self.members[name]
-                compute = sum(costs.layer_seconds(member.spec, b, mine) for b in bits)
+                compute = sum(layers * costs.layer_seconds(member.spec, b, mine) for b, layers in bits)
                 busy[name] += compute
                 travel = 2 * hop(sum(c.length for c in mine)) if name != leader and mine else 0.0
                 longest = max(longest, compute + travel)
@@ -155,3 +156,9 @@ class SimInstance:
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         busy[leader] = seconds
         return seconds, busy
+
+
+def _parts(plan: InstancePlan) -> list[tuple[Segment, tuple[tuple[int, int], ...]]]:
+    """The plan's segments, each with its layers counted by bits: every step is timed over them."""
+    return [(segment, tuple(Counter(plan.layers[i].bits for i in range(segment.start, segment.stop)).items()))
+            for segment in segments(plan)]

@@ -43,8 +43,10 @@ DEFAULT_PROFILE stands in when no profile is loaded: the profiler's first run on
 1 torch thread, 9 repeats). Replace its numbers when a newer recorded profile supersedes that run.
 """
 
+import functools
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,15 +183,22 @@ class Strategy:
             raise ValueError(f"every layer needs at least one copy, got {list(replicas)}")
         return cls(tuple(tuple(str(j) for j in range(p)) for p in replicas))
 
-    @property
+    # Cached: CoCoServe's scale-up weighs a few strategies per instance at every cluster state, and at a
+    # thousand executors recounting each layer's copies was a third of the controller's time.
+    @functools.cached_property
     def replicas(self) -> tuple[int, ...]:
         return tuple(len(p) for p in self.placements)
 
-    @property
+    @functools.cached_property
+    def copies(self) -> tuple[tuple[int, int], ...]:
+        """(p, the number of layers with p copies), for each p."""
+        return tuple(Counter(self.replicas).items())
+
+    @functools.cached_property
     def replicated_layers(self) -> int:
         return sum(1 for p in self.placements if len(p) > 1)
 
-    @property
+    @functools.cached_property
     def runs(self) -> int:
         """Runs of consecutive layers with the same copies, more than one: the fabric's replicated segments."""
         return sum(1 for i, p in enumerate(self.placements)
@@ -229,18 +238,27 @@ def delta(strategy: Strategy) -> float:
 
 def compute_time(strategy: Strategy, profile: SpeedupProfile, tokens: float, bs: Split | None = None) -> float:
     """W(P), Eq. 1."""
+    if bs is None:  # even splits: each of a layer's p copies computes t/p tokens, so layers count by p
+        return sum(layers * profile.layer_s(tokens / p) for p, layers in strategy.copies)
     return sum(max(profile.layer_s(share) for share in row) for row in _split(strategy, tokens, bs))
 
 
 def transfer_time(strategy: Strategy, profile: SpeedupProfile, tokens: float, bs: Split | None = None) -> float:
     """T(P), Eq. 2."""
+    if bs is None:
+        return delta(strategy) * sum(layers * (p - 1) * profile.hop_s(tokens / p) for p, layers in strategy.copies)
     rows = _split(strategy, tokens, bs)
     return delta(strategy) * sum(profile.hop_s(share) for row in rows for share in row[1:])
 
 
+def sequential_time(strategy: Strategy, profile: SpeedupProfile, tokens: float) -> float:
+    """W(P0): every layer computed once over the whole batch."""
+    return len(strategy.placements) * profile.layer_s(tokens)
+
+
 def speedup(strategy: Strategy, profile: SpeedupProfile, tokens: float, bs: Split | None = None) -> float:
     """S(P), Eq. 3."""
-    baseline = compute_time(Strategy.sequential(len(strategy.placements)), profile, tokens)
+    baseline = sequential_time(strategy, profile, tokens)
     return baseline / (compute_time(strategy, profile, tokens, bs) + transfer_time(strategy, profile, tokens, bs))
 
 
@@ -248,7 +266,7 @@ def speedup_with_overhead(strategy: Strategy, profile: SpeedupProfile, tokens: f
                           bs: Split | None = None) -> float:
     """Eq. 3 with the measured rest of a step as a sequential term on both sides (not in the paper)."""
     rest = profile.overhead_s(tokens)
-    baseline = compute_time(Strategy.sequential(len(strategy.placements)), profile, tokens) + rest
+    baseline = sequential_time(strategy, profile, tokens) + rest
     return baseline / (compute_time(strategy, profile, tokens, bs) + transfer_time(strategy, profile, tokens, bs)
                        + rest)
 

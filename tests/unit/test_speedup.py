@@ -94,6 +94,19 @@ def test_eq1_to_eq3_by_hand():
     assert speedup_eq4(p, HAND, 4) == pytest.approx(1 / (g + (1 - g) / 4 * 3))
 
 
+@hsettings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=30), st.floats(1, 512))
+def test_even_splits_counted_by_copies_are_the_equations_written_out(replicas, tokens):
+    """Without `bs`, W(P) and T(P) count layers by their copies; with the even split written out as `bs`, they
+    take each layer's slowest copy and move each replica's rows: the same times."""
+    p = Strategy.of_replicas(replicas)
+    even = [[tokens / r] * r for r in replicas]
+    assert compute_time(p, DEFAULT_PROFILE, tokens) == pytest.approx(compute_time(p, DEFAULT_PROFILE, tokens, even))
+    assert transfer_time(p, DEFAULT_PROFILE, tokens) == pytest.approx(
+        transfer_time(p, DEFAULT_PROFILE, tokens, even))
+    assert speedup(Strategy.sequential(len(replicas)), DEFAULT_PROFILE, tokens) == 1.0
+
+
 def test_uneven_splits_take_the_slowest_copy_and_move_only_the_replicas_rows():
     p = Strategy((("a", "b"),))
     assert compute_time(p, HAND, 4, bs=[[3, 1]]) == pytest.approx(HAND.layer_s(3))

@@ -102,7 +102,7 @@ class MergeScheduler:
             decision = decide(tokens, instances, self.strategy, allowed_in(state), self._rr)
             if self.strategy != "amoebas" and (with_peer := self._with_peer(chosen, instances, state)):
                 decision = with_peer
-            elif isinstance(decision, Merge) and (four := self._four_for(need, decision, instances, state)):
+            elif isinstance(decision, Merge) and (four := self.four_for(need, decision, instances, state)):
                 decision = four
             if isinstance(decision, Refuse):
                 if decision.never:
@@ -127,7 +127,7 @@ class MergeScheduler:
         return Merge((mine.id, peers[0].id), mine.tp * 2) if peers and mine.tp < MAX_TP else None
 
     @staticmethod
-    def _four_for(need: int, decision: Merge, instances, state: ClusterState) -> Merge | None:
+    def four_for(need: int, decision: Merge, instances, state: ClusterState) -> Merge | None:
         """decide's step from TP1 to TP2 when the TP2 instance would not hold `need` blocks either: the runtime
         merges only executors serving alone, so the two steps are taken at once, on the least-loaded aligned
         four that hold it (None: keep the step)."""

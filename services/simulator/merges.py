@@ -38,7 +38,7 @@ class MergeRoom:
             sim.admit_on(closed.members[0].executor, request)
             return
         decision = decide(tokens, instances, STRATEGY, allowed_in(state), self.turns)
-        if isinstance(decision, Merge) and (four := MergeScheduler._four_for(need, decision, instances, state)):
+        if isinstance(decision, Merge) and (four := MergeScheduler.four_for(need, decision, instances, state)):
             decision = four
         if isinstance(decision, Refuse):
             sim.fail(request, f"{'400' if decision.never else '503'}: {decision.reason}")

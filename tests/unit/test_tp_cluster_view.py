@@ -108,9 +108,9 @@ def test_a_request_only_four_hold_merges_four_executors_serving_alone_at_once():
     # TP2 holds 450 blocks, TP4 1200 // 1: a request of 600 blocks needs all four.
     step = decide(600 * 16, instances, "amoebas", tp_merges.allowed_in(s))
     assert isinstance(step, Merge) and step.tp == 2
-    four = tp_merges.MergeScheduler._four_for(600, step, instances, s)
+    four = tp_merges.MergeScheduler.four_for(600, step, instances, s)
     assert four is not None and four.tp == 4 and sorted(four.instances) == WORLD
-    assert tp_merges.MergeScheduler._four_for(400, decide(400 * 16, instances, "amoebas", tp_merges.allowed_in(s)),
+    assert tp_merges.MergeScheduler.four_for(400, decide(400 * 16, instances, "amoebas", tp_merges.allowed_in(s)),
                                               instances, s) is None  # a pair holds it
 
 

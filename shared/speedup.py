@@ -183,8 +183,7 @@ class Strategy:
             raise ValueError(f"every layer needs at least one copy, got {list(replicas)}")
         return cls(tuple(tuple(str(j) for j in range(p)) for p in replicas))
 
-    # Cached: CoCoServe's scale-up weighs a few strategies per instance at every cluster state, and at a
-    # thousand executors recounting each layer's copies was a third of the controller's time.
+    # Cached: CoCoServe's scale-up weighs a few strategies per instance at every cluster state.
     @functools.cached_property
     def replicas(self) -> tuple[int, ...]:
         return tuple(len(p) for p in self.placements)

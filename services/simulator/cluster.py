@@ -102,8 +102,9 @@ class Simulation:
         self._settled: dict[str, float] = {}
         self._published: dict[str, int] = {}  # pressure events in each executor's last report
         self._heard: dict[str, tuple[str, int]] = {}  # the monitor's (instance, pressure events) of each last report
-        self._held: dict[str, tuple[ExecutorTelemetry, float, list]] = {}  # the monitor's newest report since the
-        # last state: (it, when it came, the finished requests of it and of those it replaced)
+        # The monitor's newest report of each executor since the last state: (it, when it came, the finished
+        # requests of it and of those it replaced).
+        self._held: dict[str, tuple[ExecutorTelemetry, float, list]] = {}
         self._pressure_sent: dict[str, float] = {}
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []

@@ -37,28 +37,18 @@ import sys
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
 
 from services.monitor.aggregate import UP, ClusterView
+from services.monitor.held import HeldReports
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, NoResponders, StreamError, stop_on_signals, unsubscribe, validate
 from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
-from shared.messages import (Command, CommandResult, Event, ExecutorTelemetry, PingArgs, pressure_events,
-                             pressure_since)
+from shared.messages import Command, CommandResult, Event, ExecutorTelemetry, PingArgs, pressure_events
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.5  # "no responders" comes back at once; a stalled executor's silence is not waited out
-
-
-@dataclass
-class HeldReport:
-    """An executor's latest report since the last tick, unvalidated, with the finished requests of all of them."""
-    body: dict
-    arrived: float
-    requests: list
-    reports: int = 1
 
 
 def raw_pressure(body: dict) -> int | None:
@@ -82,8 +72,7 @@ class MonitorService:
         self._issuer = f"monitor-{uuid.uuid4().hex[:8]}"
         self._probe_seq = itertools.count(1)
         self._urgent = asyncio.Event()  # set by a report of new pressure: publish before the next tick
-        self._held: dict[str, HeldReport] = {}  # by executor: reports not yet judged
-        self._last: dict[str, tuple[object, int]] = {}  # by executor: (instance, pressure events) it last reported
+        self._held: HeldReports[dict] = HeldReports()  # the reports since the last tick, unvalidated
         self.reports = 0  # telemetry reports taken in
         self.states = 0  # cluster states published
         self.state_s = 0.0  # seconds building and sending them
@@ -130,24 +119,13 @@ class MonitorService:
         now = time.time()
         executor = body.get("executor") if isinstance(body.get("executor"), str) else subjects.executor_of(subject)
         requests = body.get("requests") if isinstance(body.get("requests"), list) else []
-        held = self._held.get(executor)
-        if held is None:
-            self._held[executor] = HeldReport(body, now, list(requests))
-        else:
-            held.body, held.arrived, held.reports = body, now, held.reports + 1
-            held.requests.extend(requests)
-        pressure = raw_pressure(body)
-        if pressure is None:
-            return  # validation refuses it at the tick
-        instance, before = self._last.get(executor, (None, 0))
-        self._last[executor] = (body.get("instance"), pressure)
-        if pressure_since(pressure, body.get("instance"), instance, before) > 0:
+        # A report whose counters are unreadable shows no pressure; validation refuses it at the tick.
+        if self._held.arrive(executor, body, requests, body.get("instance"), raw_pressure(body), now):
             self._urgent.set()
 
     def _judge_held(self) -> None:
         """Take each executor's latest report since the last tick into the view."""
-        held, self._held = self._held, {}
-        for executor, report in held.items():
+        for executor, report in self._held.take().items():
             body = report.body if report.reports == 1 else report.body | {"requests": report.requests}
             try:
                 telemetry = validate(body, ExecutorTelemetry)

@@ -8,7 +8,7 @@ that do, all imported from the services:
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
   heartbeat does; the monitor reads each report for new pressure as it arrives and takes each executor's
   newest report, with the finished requests of those it replaced, into its ClusterView (monitor/aggregate.py)
-  when it next publishes (monitor/service.py's held reports);
+  when it next publishes (monitor/held.py, as monitor/service.py holds them);
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
   pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's
   Controller.plan, with the policies its process would run) plans on every state, and
@@ -43,13 +43,14 @@ from services.bench.modes import spare_plan
 from services.executor.engine.errors import KvCapacityError, QueueFullError
 from services.gateway.router import Unreported, choose_executor, prompt_pages
 from services.monitor.aggregate import ClusterView
+from services.monitor.held import HeldReports
 from services.simulator import tp
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fleet import Fleet
 from services.simulator.instance import SimInstance
 from services.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs, pressure_events, pressure_since
+from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs, pressure_events
 from shared.plans import alone, parse_plans
 
 MODEL = "simulated"
@@ -101,10 +102,7 @@ class Simulation:
         self._busy: set[str] = set()  # a command in flight, as the controller sees it
         self._settled: dict[str, float] = {}
         self._published: dict[str, int] = {}  # pressure events in each executor's last report
-        self._heard: dict[str, tuple[str, int]] = {}  # the monitor's (instance, pressure events) of each last report
-        # The monitor's newest report of each executor since the last state: (it, when it came, the finished
-        # requests of it and of those it replaced).
-        self._held: dict[str, tuple[ExecutorTelemetry, float, list]] = {}
+        self._held: HeldReports[ExecutorTelemetry] = HeldReports()  # the monitor's, since its last state
         self._pressure_sent: dict[str, float] = {}
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []
@@ -221,10 +219,8 @@ class Simulation:
     def _report(self, name: str, periodic: bool) -> None:
         telemetry = self.executors[name].telemetry(self.now, MODEL)
         self._published[name] = telemetry.pressure_events
-        held = self._held.get(name)
-        self._held[name] = (telemetry, self.now, telemetry.requests if held is None else held[2] + telemetry.requests)
-        rose = pressure_since(telemetry.pressure_events, telemetry.instance, *self._heard.get(name, (None, 0))) > 0
-        self._heard[name] = (telemetry.instance, telemetry.pressure_events)
+        rose = self._held.arrive(name, telemetry, telemetry.requests, telemetry.instance, telemetry.pressure_events,
+                                 self.now)
         if rose and self._urgent_open:
             self._urgent_open = False  # the monitor's cap: one state between two ticks for new pressure
             self._publish()
@@ -237,11 +233,10 @@ class Simulation:
         self.at(self.now + self.settings.monitor.publish_interval_s, self._tick)
 
     def _publish(self) -> None:
-        for telemetry, arrived, requests in self._held.values():
-            if requests is not telemetry.requests:
-                telemetry = telemetry.model_copy(update={"requests": requests})
-            self.view.observe(telemetry, arrived)
-        self._held = {}
+        for report in self._held.take().values():
+            telemetry = report.body if report.reports == 1 else report.body.model_copy(
+                update={"requests": report.requests})
+            self.view.observe(telemetry, report.arrived)
         self.state = self.view.state(self.now)
         self.unreported.forget_reported(self.state)
         if not self.controller.policies:

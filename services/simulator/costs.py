@@ -41,8 +41,13 @@ def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk
 
 def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence[ScheduledChunk]) -> float:
     """A step of an executor serving alone."""
-    seconds = sum(layers * layer_seconds(spec, bits, chunks) for bits, layers in _bits_count(tuple(layer_bits)))
+    seconds = sum(layers * layer_seconds(spec, bits, chunks) for bits, layers in bits_count(layer_bits))
     return seconds + spec.overhead.at(sum(c.length for c in chunks))
+
+
+def bits_count(layer_bits: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(bits, the number of layers at them), for each bits: a step is timed once per bits, not per layer."""
+    return _bits_count(tuple(layer_bits))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -23,8 +23,6 @@ A step, segment by segment (shared/plans.segments), as the fabric runs it:
 - then the rest of a step on the leader (the speed-up profile's overhead line).
 """
 
-from collections import Counter
-
 from services.executor.engine.errors import OutOfPagesError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
@@ -160,5 +158,5 @@ class SimInstance:
 
 def _parts(plan: InstancePlan) -> list[tuple[Segment, tuple[tuple[int, int], ...]]]:
     """The plan's segments, each with its layers counted by bits: every step is timed over them."""
-    return [(segment, tuple(Counter(plan.layers[i].bits for i in range(segment.start, segment.stop)).items()))
+    return [(segment, costs.bits_count([plan.layers[i].bits for i in range(segment.start, segment.stop)]))
             for segment in segments(plan)]

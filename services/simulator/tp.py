@@ -110,7 +110,8 @@ class SimTpInstance:
         spec, k = self.leader.spec, self.plan.tp
         hop = costs.hop_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes,
                                                          sum(c.length for c in chunks)))
-        seconds = sum(costs.layer_seconds(spec, layer.bits, chunks) / k + 2 * hop for layer in self.plan.layers)
+        seconds = sum(layers * (costs.layer_seconds(spec, bits, chunks) / k + 2 * hop)
+                      for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers]))
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         return seconds, dict.fromkeys(self.members, seconds)
 

@@ -64,11 +64,14 @@ def serving(state: ClusterState | None, model: str | None = None) -> list[Execut
 
 def choose_executor(state: ClusterState | None, exclude: set[str], model: str, strategy: str = "amoebas",
                     turn: int = 0, unreported: Mapping[str, Sent] | None = None) -> str | None:
-    """The least-loaded serving executor for `model`: the smallest share of its KV pages in use (instances
-    differ in size: quantized layers free pages, a TP merge holds several executors' KV), then the shortest
-    queue; ties go to the lowest id so that the choice is deterministic. One suspect of a stall comes last:
-    it may be gone, but when it is all there is, asking it (its admission times out, or it has woken up)
-    beats refusing outright. None when there is none.
+    """The least-loaded serving executor for `model`: the shortest queue (its waiting requests and those sent
+    it since it reported), then the smallest share of its KV pages in use (instances differ in size: quantized
+    layers free pages, a TP merge holds several executors' KV); ties go to the lowest id so that the choice is
+    deterministic. The queue comes first because it is what a new request waits behind, and because a prompt
+    waiting to be prefilled holds no KV page: ordered by KV first, a report that showed a long queue looked as
+    free as an idle executor (docs/benchmarks.md, "The simulator at a thousand executors"). One suspect of a
+    stall comes last: it may be gone, but when it is all there is, asking it (its admission times out, or it
+    has woken up) beats refusing outright. None when there is none.
 
     AMOEBAs' baselines order the candidates otherwise: "rr" round-robin from the `turn`-th, "llf" the fewest
     requests running and waiting first. `unreported`: what the caller sent each executor that `state` does not
@@ -87,7 +90,7 @@ def choose_executor(state: ClusterState | None, exclude: set[str], model: str, s
 
 
 def _load(e: ExecutorState, sent: Sent) -> tuple:
-    return e.suspect, kv_in_use(e, sent.pages), e.telemetry.waiting + sent.requests, e.executor
+    return e.suspect, e.telemetry.waiting + sent.requests, kv_in_use(e, sent.pages), e.executor
 
 
 def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sent: Mapping[str, Sent]) -> str | None:

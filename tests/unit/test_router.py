@@ -1,5 +1,5 @@
 """choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, the least
-share of its KV in use, then shortest queue; AMOEBAs' baselines by turn or by requests."""
+shortest queue, then the least share of its KV in use; AMOEBAs' baselines by turn or by requests."""
 
 from hypothesis import given, strategies as st
 
@@ -9,11 +9,12 @@ from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPa
 from shared.plans import tp_plans
 
 
-def executor(name, free=10, waiting=0, alive=True, draining=False, model="m", suspect=False, plan=None, time=0.0):
+def executor(name, free=10, waiting=0, running=0, alive=True, draining=False, model="m", suspect=False, plan=None,
+             time=0.0):
     kv = KvPages(pages_total=100, pages_slot=50, pages_free=free, pages_used=50 - free, pages_base=40,
                  pages_extension=10)
     t = ExecutorTelemetry(executor=name, instance="i0", time=time, model=model, max_model_len=2048, block_size=16,
-                          page_bytes=1, kv=kv, layers=[16] * 4, swap_order=[], running=0, waiting=waiting,
+                          page_bytes=1, kv=kv, layers=[16] * 4, swap_order=[], running=running, waiting=waiting,
                           max_waiting=8, preemptions=0, prompt_tokens=0, generated_tokens=0, queue_delay_s=0.0,
                           ttft_s=0.0, tpot_s=0.0, draining=draining, plan=plan)
     return ExecutorState(executor=name, alive=alive, suspect=suspect, last_seen=0.0, kv_usage=0.5, queue_delay_s=0.0,
@@ -29,11 +30,17 @@ def test_no_state_or_no_executor_gives_none():
     assert choose_executor(state(), set(), "m") is None
 
 
-def test_most_free_pages_wins_then_shortest_queue_then_id():
-    s = state(executor("a", free=5), executor("b", free=20, waiting=3), executor("c", free=20, waiting=1))
+def test_shortest_queue_wins_then_most_free_pages_then_id():
+    s = state(executor("a", free=90, waiting=2), executor("b", free=5, waiting=1), executor("c", free=20, waiting=1))
     assert choose_executor(s, set(), "m") == "c"
     s = state(executor("b", free=20, waiting=1), executor("a", free=20, waiting=1))
     assert choose_executor(s, set(), "m") == "a"
+
+
+def test_a_queue_counts_though_its_prompts_hold_no_kv_yet():
+    """Waiting requests are not prefilled: a report shows their executor's KV as free as an idle one's."""
+    s = state(executor("queued", free=40, waiting=6), executor("busy", free=10, running=30))
+    assert choose_executor(s, set(), "m") == "busy"
 
 
 def test_dead_draining_other_model_and_excluded_are_skipped():
@@ -77,7 +84,7 @@ def test_the_baselines_order_by_turn_or_by_requests():
     s = state(executor("b", free=1), executor("a", free=50), executor("c", free=20))
     assert [choose_executor(s, set(), "m", "rr", turn) for turn in range(4)] == ["a", "b", "c", "a"]
     assert choose_executor(s, {"b"}, "m", "rr", 1) == "c"
-    busy = state(executor("a", free=50, waiting=3), executor("b", free=1, waiting=1))
+    busy = state(executor("a", free=50, running=5), executor("b", free=1, waiting=1))
     assert choose_executor(busy, set(), "m", "llf") == "b"
     assert choose_executor(busy, set(), "m", "amoebas") == "a"
 
@@ -122,7 +129,7 @@ def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, send
     sent = {f"e{i}": Sent(requests, pages) for i, (requests, pages) in sends.items()}
     exclude = {f"e{i}" for i in excluded}
     nothing = Sent()
-    expected = min(((e.suspect, kv_in_use(e, sent.get(e.executor, nothing).pages),
-                     e.telemetry.waiting + sent.get(e.executor, nothing).requests, e.executor)
+    expected = min(((e.suspect, e.telemetry.waiting + sent.get(e.executor, nothing).requests,
+                     kv_in_use(e, sent.get(e.executor, nothing).pages), e.executor)
                     for e in s.executors if e.executor not in exclude), default=(None,))[-1]
     assert choose_executor(s, exclude, "m", unreported=sent) == expected

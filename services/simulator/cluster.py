@@ -82,10 +82,11 @@ class SimRun:
 class Simulation:
     def __init__(self, fleet: Fleet, settings: SimSettings):
         self.fleet, self.settings = fleet, settings
-        in_world = len(fleet.executors) > 1
-        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=in_world)
+        self.worlds = [world for world in fleet.worlds() if len(world) > 1]
+        in_world = {name for world in self.worlds for name in world}
+        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world)
                           for s in fleet.executors}
-        self._form_world()
+        self._form_worlds()
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
         self.view = ClusterView(settings.monitor)
@@ -109,18 +110,20 @@ class Simulation:
         self.decisions, self.plan_seconds = 0, 0.0
         self._ended = 0  # requests finished or refused
 
-    def _form_world(self) -> None:
-        names = list(self.executors)
-        if len(names) < 2:
-            return
+    def _form_worlds(self) -> None:
         num_layers = self.fleet.shape.num_layers
-        for name, e in self.executors.items():
-            e.world, e.plan = names, alone(name, num_layers, self.settings.static_bits)
-        if self.settings.spare:
-            if len(names) % 2:
-                raise ValueError(f"the spare plan runs instances of two executors; the fleet has {len(names)}")
-            for plan in parse_plans(spare_plan(len(names), num_layers), names, num_layers):
-                SimInstance(plan, {m: self.executors[m] for m in plan.members}, self.fleet.max_model_len)
+        for names in self.worlds:
+            for name in names:
+                self.executors[name].world = names
+                self.executors[name].plan = alone(name, num_layers, self.settings.static_bits)
+        if not self.settings.spare or not self.worlds:
+            return
+        if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):
+            raise ValueError(f"the spare plan runs instances of two executors of one world; the fleet's worlds "
+                             f"hold {[len(names) for names in self.fleet.worlds()]}")
+        names = list(self.executors)  # pairs in order: worlds of even sizes hold each pair whole
+        for plan in parse_plans(spare_plan(len(names), num_layers), names, num_layers):
+            SimInstance(plan, {m: self.executors[m] for m in plan.members}, self.fleet.max_model_len)
 
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:

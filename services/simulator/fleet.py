@@ -22,6 +22,10 @@ A fleet file is JSON:
   (embedding, logits, sampling); without one it is the LM head's roofline.
   `dtype_bytes`: 4 on cpu (float32), else 2 (bfloat16), as `morphling up` serves.
 - `engine` overrides EngineConfig's limits, the same for every executor.
+- `world_size`: executors per torch.distributed world, in order (exec0-7, exec8-15, ... for 8): the executors
+  of one host, as the multi-host deployment gives each host its world (docs/deployment.md). Instances form,
+  and AMOEBAs merges, inside a world only. Without it every executor is in one world, as `morphling up`
+  starts them on one host.
 - `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
   it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
 - `operation_s`: the measured seconds of the operations on instances of several executors, each a line
@@ -81,6 +85,13 @@ class Fleet:
     shape: ModelShape
     engine: EngineLimits
     executors: list[ExecutorSpec]
+    world_size: int = 0  # executors per world, in order; 0: all in one
+
+    def worlds(self) -> list[list[str]]:
+        """The executors' names, world by world."""
+        names = [s.id for s in self.executors]
+        size = self.world_size or len(names)
+        return [names[i:i + size] for i in range(0, len(names), size)]
 
     @property
     def max_model_len(self) -> int:
@@ -168,7 +179,7 @@ def read_fleet(path: str | Path) -> Fleet:
     data = _read_json(path, "fleet file")
     if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
         raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
-    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s"}
+    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s", "world_size"}
     if unknown:
         raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
     name = data.get("model", "default")
@@ -185,6 +196,9 @@ def read_fleet(path: str | Path) -> Fleet:
             isinstance(v, (int, float)) and v >= 0 for v in swap.values()):
         raise FleetError(f"{path}: swap_s_per_layer takes quantize and restore seconds, got {swap!r}")
     operations = _operation_lines(data.get("operation_s", {}), str(path))
+    world_size = data.get("world_size", 0)
+    if "world_size" in data and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise FleetError(f"{path}: world_size must be a positive integer (executors per world), got {world_size!r}")
     specs: list[ExecutorSpec] = []
     for i, entry in enumerate(data["executors"]):
         specs += _executor_specs(entry, f"{path}: executors[{i}]", shape, len(specs), path.parent)
@@ -192,4 +206,4 @@ def read_fleet(path: str | Path) -> Fleet:
     if unmodelled and set(swap) != {"quantize", "restore"}:
         raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
                          f"swap_s_per_layer (quantize and restore, as measured there)")
-    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations) for s in specs])
+    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations) for s in specs], world_size)

@@ -110,6 +110,7 @@ def test_the_fleet_file_is_checked(tmp_path):
                                              "speedup_profile": "speedup.json"}]}, "latency_profile"),
                             ({"executors": [{"device": "H100-80GB", "count": 0}]}, "positive integer"),
                             ({"engine": {"max_num_seqs": -1}}, "non-negative"),
+                            ({"world_size": 0}, "world_size must be a positive integer"),
                             ({"gpus": 8}, "unknown field")):
         path = tmp_path / "broken.json"
         path.write_text(json.dumps(good | broken))
@@ -120,6 +121,17 @@ def test_the_fleet_file_is_checked(tmp_path):
     fleet = read_fleet(gpu)
     assert [s.id for s in fleet.executors] == [f"exec{i}" for i in range(8)]
     assert fleet.executors[0].latency.source == "modelled" and fleet.max_model_len == 8192
+
+
+def test_executors_join_worlds_of_world_size_in_order_and_merge_only_inside_theirs(tmp_path):
+    path = write_fleet(tmp_path, count=5)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"world_size": 2}))
+    sim = Simulation(read_fleet(path), SimSettings())
+    seen = {name: e.telemetry(0.0, "m") for name, e in sim.executors.items()}
+    assert [seen[n].world for n in ("exec0", "exec3", "exec4")] == [["exec0", "exec1"], ["exec2", "exec3"], []]
+    assert [u.tp for u in seen["exec0"].kv_units] == [1, 2] and seen["exec4"].plan is None  # alone: no world
+    with pytest.raises(ValueError, match="two executors of one world"):  # exec4 has no pair in its world
+        Simulation(read_fleet(path), SimSettings(spare=True))
 
 
 def test_dispatch_sends_nothing_to_a_busy_executor_or_on_a_state_older_than_its_last_answer():

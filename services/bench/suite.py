@@ -33,6 +33,7 @@ from services.bench.client import ClusterSample, RequestRecord, replay, served_m
 from services.bench.metrics import percentile, timeline
 from services.bench.modes import MODES, executors_for, up_args
 from services.bench.prompts import PromptPool
+from services.bench.rest import at_rest, shape
 from services.bench.system import Endpoints, started
 from services.bench.trace import TraceRequest, TraceRow
 from services.bench.windows import Window, median_rate, rate_scale_for, requests_in
@@ -130,24 +131,6 @@ def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> 
                     workload[w.name] = (reqs, [pool.take(r.prompt_tokens) for r in reqs])
             results[mode] = run_windows(system, model, windows, workload, args, mode)
     return capacity, workload, results
-
-
-def shape(cluster: dict) -> dict:
-    """Everything the controller can have moved, from GET /v1/cluster: layer bits and batch caps per executor,
-    the instances' members, placements and bits."""
-    return {"executors": sorted((e["id"], tuple(e["layers"]), e["max_num_seqs"]) for e in cluster["executors"]
-                                if e["alive"]),
-            "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(map(str, i["layers"])))
-                                for i in cluster["instances"])}
-
-
-def at_rest(cluster: dict) -> dict:
-    """What a cluster at rest has back as it started: every pressure action undone (no layer below its starting
-    bits, the batch caps, the members and TP degree) but not the placement, since CoCoServe's rest is replicas
-    on idle capacity."""
-    return {"executors": shape(cluster)["executors"],
-            "instances": sorted((i["id"], tuple(i["members"]), i["tp"], tuple(layer["bits"] for layer in i["layers"]))
-                                for i in cluster["instances"])}
 
 
 def wait_for(url: str, headers: dict, wanted: Callable[[dict], bool], rest_s: float, timeout_s: float,

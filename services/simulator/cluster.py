@@ -40,7 +40,9 @@ from services.controller.loop import Controller
 from services.controller.policies import ladder
 from services.controller.policies.interface import PlannedCommand
 from services.bench.modes import spare_plan
+from services.bench.rest import at_rest, shape
 from services.executor.engine.errors import KvCapacityError, QueueFullError
+from services.gateway.admin import cluster_body
 from services.gateway.router import Unreported, choose_executor, prompt_pages
 from services.monitor.aggregate import ClusterView
 from services.monitor.held import HeldReports
@@ -71,12 +73,15 @@ class SimSettings:
 
 @dataclass
 class SimRun:
+    """One window's replay. Requests and events carry simulated times; `origin` is the window's start, from which
+    samples and elapsed_s count."""
     requests: list[SimRequest]
     samples: list[tuple[float, list[dict]]]  # (time, the live executors as GET /v1/cluster shows them)
     events: list[Event]
     elapsed_s: float
     decisions: int = 0  # states the controller planned on
     plan_seconds: float = 0.0  # wall seconds its policies took, over all of them
+    origin: float = 0.0
 
 
 class Simulation:
@@ -108,7 +113,10 @@ class Simulation:
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []
         self.decisions, self.plan_seconds = 0, 0.0
-        self._ended = 0  # requests finished or refused
+        self._started = False
+        self._at_rest: dict = {}  # the cluster as it started, by bench/rest.py's rule: what a rest returns to
+        self._issued = 0  # requests made so far, over every window: their ids
+        self._open: set[int] = set()  # the window's requests not finished or refused yet
 
     def _form_worlds(self) -> None:
         num_layers = self.fleet.shape.num_layers
@@ -130,32 +138,81 @@ class Simulation:
         heapq.heappush(self._heap, (t, next(self._order), handler, args))
 
     def run(self, arrivals: list[TraceRequest]) -> SimRun:
-        requests = [SimRequest(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(arrivals)]
-        for name in self.executors:
-            self.at(0.0, self._report, name, True)
-        self.at(0.0, self._tick)
-        self.at(0.0, self._sample)
+        """Replay one window's arrivals from now on: on a fresh cluster, or on the one an earlier window and a
+        rest left, as the bench replays its windows on one system. Requests unfinished `drain_s` after the last
+        arrival count as failed and are cancelled, as the bench's client cancels them."""
+        origin = self.now
+        requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens)
+                    for i, r in enumerate(arrivals)]
+        self._issued += len(requests)
+        if not self._started:
+            self._started = True
+            for name in self.executors:
+                self.at(self.now, self._report, name, True)
+            self.at(self.now, self._tick)
+            self.at(self.now, self._sample)
+            self._advance(self.now)  # the first reports and state: the cluster as it starts, which a rest returns to
+            self._at_rest = at_rest(cluster_body(self.state))
+        self._open = {r.index for r in requests}
+        samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
+                                                    self.plan_seconds)
         for r in requests:
             self.at(r.arrival_s, self.arrive, r)
-        end = max((r.arrival_s for r in requests), default=0.0) + self.settings.drain_s
+        self._advance(max((r.arrival_s for r in requests), default=origin) + self.settings.drain_s)
+        for r in requests:
+            if r.done_s is None:
+                r.error = "unfinished at the end of the drain"
+                self._cancel(r)
+        return SimRun(requests, [(t - origin, seen) for t, seen in self.samples[samples:]], self.events[events:],
+                      self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin)
+
+    def rest(self, rest_s: float, timeout_s: float, still_s: float = 3.0) -> tuple[float, bool]:
+        """The bench's rest between two windows (bench/suite.py's settle): `rest_s` without arrivals, then until
+        the cluster is back at rest as it started and unchanged for `still_s`, looked at once a second, up to
+        `timeout_s` more. Returns (seconds it rested, whether it got there)."""
+        began = self.now
+        self._advance(began + rest_s)
+        last, since = None, self.now
+        while True:
+            cluster = cluster_body(self.state)
+            if (now := shape(cluster)) != last:
+                last, since = now, self.now
+            elif at_rest(cluster) == self._at_rest and self.now - since >= still_s:
+                return self.now - began, True
+            if self.now - began > rest_s + timeout_s:
+                return self.now - began, False
+            self._advance(self.now + 1.0)
+
+    def _advance(self, until: float) -> None:
+        """Handle every event up to `until`, or until the window's requests are all done when some are open."""
         collecting = gc.isenabled()
         # The loop makes millions of objects and few cycles; the cyclic collector rescanning all of them as they
         # pile up was 40% of a thousand-executor run (77 s against 45 s, for 0.5 GiB more at the peak).
         gc.disable()
+        waiting = bool(self._open)
         try:
-            while self._heap and self._heap[0][0] <= end and self._ended < len(requests):
+            while self._heap and self._heap[0][0] <= until and (self._open or not waiting):
                 self.now, _, handler, args = heapq.heappop(self._heap)
                 handler(*args)
         finally:
             if collecting:
                 gc.enable()
-        for r in requests:
-            if r.done_s is None:
-                r.error = "unfinished at the end of the drain"
-        return SimRun(requests, self.samples, self.events, self.now, self.decisions, self.plan_seconds)
+        if not waiting:
+            self.now = max(self.now, until)
+
+    def _cancel(self, request: SimRequest) -> None:
+        """The client gave up on `request`: its executor drops it; one still waiting for a merge is dropped when
+        the merge room hands it back (arrive, admit_on)."""
+        key = str(request.index)
+        for executor in self.executors.values():
+            if key in executor.requests:
+                executor.cancel(key)
+                return
 
     # --- requests -----------------------------------------------------------------------------------
     def arrive(self, request: SimRequest) -> None:
+        if request.error is not None:  # cancelled at the end of its window, while it waited for a merge
+            return
         refused: set[str] = set()
         while (name := choose_executor(self.state, refused, MODEL, unreported=self.unreported.view())) is not None:
             try:
@@ -173,11 +230,15 @@ class Simulation:
         self.fail(request, "no executor could take it (queues full or none serving)")
 
     def fail(self, request: SimRequest, error: str) -> None:
+        if request.error is not None:
+            return
         request.done_s, request.error = self.now, error
-        self._ended += 1
+        self._open.discard(request.index)
 
     def admit_on(self, name: str, request: SimRequest) -> None:
         """Admit `request` on the leader a merge made room on (the gateway's admission after make_room)."""
+        if request.error is not None:
+            return
         try:
             self.executors[name].admit(request, self.now)
         except (QueueFullError, KvCapacityError) as exc:
@@ -200,7 +261,8 @@ class Simulation:
 
     def _step_end(self, name: str) -> None:
         self._stepping.discard(name)
-        self._ended += len(self.executors[name].finish_step(self.now))
+        for request in self.executors[name].finish_step(self.now):
+            self._open.discard(request.index)
         self._after_pressure(name)
         if self._inbox.get(name):
             self._apply(name)

@@ -3,9 +3,12 @@
 - A step: every decoder layer's time at its bits from the executor's latency model (SplitQuant's, §IV-A:
   a measured profile, shared/planner/latency.py, or the roofline of the device's datasheet,
   shared/planner/roofline.py), plus the rest of the step (embedding, logits, sampling) from the speed-up
-  profile's overhead line. The step's decodes are one decode batch of v sequences at their mean context; each
-  prefill chunk is a prefill of one sequence of its length. The engine runs them as one batch, so this
-  charges a mixed step the sum of its parts: what the profile measured, phase by phase.
+  profile's overhead line. The step's decodes are one decode batch of v sequences at their mean context, and
+  its prefill chunks one prefill batch of as many sequences at their mean length: the engine packs a step's
+  chunks into one forward pass (engine/runner.py), and the profile times prompts in batches. A mixed step is
+  charged the sum of its two phases, what the profile measured phase by phase. Charging each prefill chunk
+  alone, as this did first, paid a call per chunk: CoCoServe's leader, which takes every arrival, came out
+  1.3-1.6x slow per token under a burst (docs/benchmarks.md, "The simulator against the measured runs").
 - A swap of one layer: the measured seconds where the fleet gives them (docs/benchmarks.md has this CPU's),
   else copying the layer's weights at the target bits at the device's memory bandwidth (a restore copies full
   precision back; a quantize writes the smaller variant).
@@ -27,16 +30,18 @@ from shared.planner.shapes import ModelShape
 
 
 def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk]) -> float:
-    """One decoder layer at `bits` over `chunks`: their decodes as one batch, each prefill chunk alone."""
+    """One decoder layer at `bits` over `chunks`: their decodes as one batch, their prefill chunks as another."""
     if not chunks:
         return 0.0
     decodes = [c for c in chunks if c.length == 1 and c.start >= len(c.seq.prompt_ids)]
-    prefills = [c for c in chunks if not (c.length == 1 and c.start >= len(c.seq.prompt_ids))]
+    prefills = [c.length for c in chunks if not (c.length == 1 and c.start >= len(c.seq.prompt_ids))]
     seconds = 0.0
     if decodes:
         context = sum(c.start + 1 for c in decodes) / len(decodes)
         seconds += spec.latency.decode(bits, len(decodes), int(context))
-    return seconds + sum(spec.latency.prefill(bits, 1, c.length) for c in prefills)
+    if prefills:
+        seconds += spec.latency.prefill(bits, len(prefills), max(1, round(sum(prefills) / len(prefills))))
+    return seconds
 
 
 def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence[ScheduledChunk]) -> float:

@@ -108,6 +108,7 @@ class SimExecutor(MemberArena):
         self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
         self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
         self.requests: dict[str, SimRequest] = {}
+        self.cancelled: set[str] = set()  # given up by their clients during the step running
         self.rejected = 0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
         self.stepping: SchedulerOutput | None = None
@@ -167,6 +168,9 @@ class SimExecutor(MemberArena):
         self.busy.end(now)
         done = []
         mix = (self.layer_bits.count(8), self.layer_bits.count(4))
+        if self.cancelled:
+            out.chunks = [c for c in out.chunks if c.seq.request_id not in self.cancelled]
+            self._drop_cancelled()
         for chunk in out.chunks:
             seq, request = chunk.seq, self.requests[chunk.seq.request_id]
             seq.num_computed += chunk.length
@@ -190,6 +194,21 @@ class SimExecutor(MemberArena):
                 self.scheduler.remove(seq)
                 done.append(self._finish(seq.request_id, now))
         return done
+
+    def cancel(self, request_id: str) -> None:
+        """Its client gave up: the sequence leaves the scheduler at the step boundary (at once when no step
+        runs), its pages freed, and nothing more is recorded of it."""
+        self.cancelled.add(request_id)
+        if self.stepping is None:
+            self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in self.cancelled]:
+            self.scheduler.remove(seq)
+            self.requests.pop(seq.request_id)
+            if self.group is not None:
+                self.group.forget(seq.request_id)
+        self.cancelled.clear()
 
     def _finish(self, request_id: str, now: float, error: str | None = None) -> SimRequest:
         request = self.requests.pop(request_id)

@@ -3,8 +3,10 @@
 The same rules as `morphling bench` (services/bench/run.py), applied to simulated executors (cluster.py):
 fp16's capacity at steady load first (the same probes and interpolation, bench/capacity.py), the trace scaled
 so its median rate is that capacity, the k busiest and k most ordinary windows (bench/windows.py), every mode
-on every window, and the same results.json shape, table and plots. Each window starts from a fresh cluster,
-so no rest is needed between windows. Quality is the perplexity of the precision mixes the tokens were
+on every window, and the same results.json shape, table and plots. As the bench does, a mode replays its
+windows in turn on one cluster, resting between two (`--rest-s`, then until every pressure action is undone,
+up to `--settle-timeout`: bench/rest.py's rule), so a window starts where the previous one and its rest left
+the cluster (CoCoServe's replicas, say). Quality is the perplexity of the precision mixes the tokens were
 generated at (bench/quality.py, exact per token here), since simulated tokens carry no text to compare.
 
 Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second,
@@ -68,6 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.5, help="the system's TPOT SLO")
     ap.add_argument("--telemetry-interval", type=float, default=0.1, help="seconds between an executor's reports")
+    ap.add_argument("--rest-s", type=float, default=10.0, help="seconds of rest between two windows of a mode")
+    ap.add_argument("--settle-timeout", type=float, default=180.0,
+                    help="seconds more, after the rest, for the cluster to be back at rest (default %(default)s)")
     ap.add_argument("--drain-timeout", type=float, default=90.0,
                     help="seconds after the last arrival before unfinished requests count as failed")
     ap.add_argument("--ppl-table", type=Path, default=DEFAULT_TABLE, help="`morphling eval ppl --table` output")
@@ -98,6 +103,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--rate-scale must be positive")
     if args.copies < 1:
         ap.error("--copies must be at least 1")
+    if min(args.rest_s, args.settle_timeout) < 0:
+        ap.error("--rest-s and --settle-timeout must not be negative")
     return args
 
 
@@ -123,19 +130,21 @@ def settings_for(mode: str, args) -> SimSettings:
                        spare=m.spare)
 
 
-def simulate(fleet, settings: SimSettings, arrivals) -> tuple[SimRun, float]:
+def timed(simulation: Simulation, arrivals) -> tuple[SimRun, float]:
     began = time.perf_counter()
-    played = Simulation(fleet, settings).run(arrivals)
+    played = simulation.run(arrivals)
     return played, time.perf_counter() - began
 
 
 def records(played: SimRun) -> list[RequestRecord]:
-    """The client's view of each simulated request, as the bench's client records it."""
-    out = []
-    for r in played.requests:
-        chunks = [t for t in (r.first_token_s, r.last_token_s if r.tokens > 1 else None) if t is not None]
-        out.append(RequestRecord(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, sent_s=r.arrival_s,
-                                 chunk_s=chunks, completion_tokens=r.tokens, done_s=r.done_s, error=r.error))
+    """The client's view of each simulated request, as the bench's client records it: times from the window's
+    start."""
+    out, origin = [], played.origin
+    for i, r in enumerate(played.requests):
+        chunks = [t - origin for t in (r.first_token_s, r.last_token_s if r.tokens > 1 else None) if t is not None]
+        out.append(RequestRecord(i, r.arrival_s - origin, r.prompt_tokens, r.output_tokens,
+                                 sent_s=r.arrival_s - origin, chunk_s=chunks, completion_tokens=r.tokens,
+                                 done_s=None if r.done_s is None else r.done_s - origin, error=r.error))
     return out
 
 
@@ -149,11 +158,11 @@ def precision_share(played: SimRun) -> dict[tuple[int, int], float]:
     return {mix: n / total for mix, n in sorted(counts.items())} if total else {}
 
 
-def window_report(played: SimRun, wall_s: float, args, table, model: str) -> dict:
+def window_report(played: SimRun, wall_s: float, args, table, model: str, rest: dict | None = None) -> dict:
     replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
-    result = window_result(replay, actions(played.events, 0.0), reaction(played.events, 0.0), args.slo_ttft,
-                           table, model)
+    result = window_result(replay, actions(played.events, played.origin), reaction(played.events, played.origin),
+                           args.slo_ttft, table, model, rest)
     result["precision"] = quality(precision_share(played), table, model)
     result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],
                          "full_precision_token_share": result["precision"]["full_precision_token_share"]}
@@ -169,7 +178,7 @@ def window_report(played: SimRun, wall_s: float, args, table, model: str) -> dic
 def measure_capacity(fleet, rows, args) -> dict:
     def measure(rate: float) -> Probe:
         load = steady_load(rows, rate, args.probe_s, args.len_scale, args.max_len, args.seed)
-        played, _ = simulate(fleet, settings_for("fp16", args), load)
+        played, _ = timed(Simulation(fleet, settings_for("fp16", args)), load)
         ttfts = [r.first_token_s - r.arrival_s for r in played.requests if r.first_token_s is not None]
         return Probe(rate, percentile(ttfts, 95), sum(r.error is not None for r in played.requests), len(load))
 
@@ -203,14 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         capacity = {"given": True, "rate_scale": args.rate_scale}
     results = {}
     for mode in args.modes:
-        results[mode] = {}
-        for w in windows:
+        results[mode], rest = {}, None
+        began = time.perf_counter()
+        simulation = Simulation(fleet, settings_for(mode, args))
+        setup_s = time.perf_counter() - began
+        for i, w in enumerate(windows):
+            if i:
+                waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
+                rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
             arrivals = superposed(requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len),
                                   args.copies)
-            played, wall_s = simulate(fleet, settings_for(mode, args), arrivals)
-            results[mode][w.name] = window_report(played, wall_s, args, table, model)
+            played, wall_s = timed(simulation, arrivals)
+            wall_s += setup_s if i == 0 else 0.0
+            results[mode][w.name] = window_report(played, wall_s, args, table, model, rest)
             print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "
-                  f"{wall_s:.1f} s", file=sys.stderr)
+                  f"{wall_s:.1f} s" + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""),
+                  file=sys.stderr)
     modes = {mode: mode_summary(ws) for mode, ws in results.items()}
     for mode, ws in results.items():
         for name, result in ws.items():

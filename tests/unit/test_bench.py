@@ -18,7 +18,8 @@ from services.bench.modes import MODES, ModeError, up_args
 from services.bench.report import add_quality, comparison, mode_summary, window_result
 from services.bench.run import parse_args
 from services.bench import suite
-from services.bench.suite import Replay, at_rest, shape
+from services.bench.rest import at_rest, shape
+from services.bench.suite import Replay
 from services.bench.trace import TraceError, load_trace, read_rows, scale_lengths
 from shared.config import data_dir, parse_size
 from shared.messages import Event

@@ -31,6 +31,8 @@ SIMULATED_PARTS = {
     "services.executor.latency", "services.executor.admission", "services.executor.engine.morphing.slots",
     # instances of several executors: which replica computes which rows, the AMOEBAs merges the gateway decides
     "services.executor.fabric.replicas", "services.gateway.tp_merges",
+    # the body of GET /v1/cluster, which the bench's rest rule reads
+    "services.gateway.admin", "services.bench.rest",
     # the bench's experiment, rules and report, so that a simulation is measured and written as a run is
     "services.bench.capacity", "services.bench.client", "services.bench.events", "services.bench.metrics",
     "services.bench.modes", "services.bench.plots", "services.bench.quality", "services.bench.report",

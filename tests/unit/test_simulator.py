@@ -1,8 +1,9 @@
 """The simulator (`morphling simulate`) on tiny fleets whose answers are computed by hand: step times from a
-latency profile with only intercepts, pages from the default model's layer sizes, and the real controller,
-monitor and router deciding. The default model's shape: 30 layers, KV heads 3 x 64, float32 on cpu, so a page
-(one 16-token block for every layer) is 2*30*192*4*16 = 737,280 bytes, and a layer's slot holds 20 pages at
-full precision (14,160,384 bytes), 5 at INT8 (3,564,288) and 3 at INT4 (2,013,696)."""
+latency profile with only intercepts (a phase's batch costs the same whatever its size), pages from the default
+model's layer sizes, and the real controller, monitor and router deciding. The default model's shape: 30
+layers, KV heads 3 x 64, float32 on cpu, so a page (one 16-token block for every layer) is 2*30*192*4*16 =
+737,280 bytes, and a layer's slot holds 20 pages at full precision (14,160,384 bytes), 5 at INT8 (3,564,288)
+and 3 at INT4 (2,013,696)."""
 
 import ast
 import json
@@ -32,8 +33,8 @@ PREFILL_S, DECODE_S, OVERHEAD_S = 0.002, 0.001, 0.010  # per layer, per layer, p
 
 
 def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float = 0.0, **engine) -> Path:
-    """A fleet of `count` cpu executors whose layer takes PREFILL_S per prefill chunk and DECODE_S per decode
-    step whatever their size, and whose step costs OVERHEAD_S more."""
+    """A fleet of `count` cpu executors whose layer takes PREFILL_S for a step's prefill chunks and DECODE_S for
+    its decodes whatever their number and size, and whose step costs OVERHEAD_S more."""
     fitted = FittedLatency("cpu", SHAPE, {
         "prefill": {b: [PREFILL_S] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in (16, 8, 4)},
         "decode": {b: [DECODE_S] + [0.0] * (len(DECODE_FEATURES) - 1) for b in (16, 8, 4)}})
@@ -155,7 +156,7 @@ def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_
     pressure = [e.time for e in run.events if e.kind == "pressure"]
     assert quantizes and pressure
     decided = quantizes[0].time - quantizes[0].data["latency_s"]
-    assert pressure[0] <= decided < pressure[0] + 1.0
+    assert decided < pressure[0] + 1.0  # on the KV in use, or at the latest a second after the first pressure
     assert run.decisions > 0 and any(mix != (0, 0) for r in run.requests for mix in r.token_bits)
 
     static = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()))).run(burst())
@@ -164,6 +165,41 @@ def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_
     assert len(served) >= sum(r.error is None for r in static.requests)
     ttft = percentile([r.first_token_s - r.arrival_s for r in served], 95)
     assert ttft < percentile([r.first_token_s - r.arrival_s for r in static.requests if r.error is None], 95)
+
+
+def test_windows_replay_on_one_cluster_and_a_rest_waits_until_the_pressure_actions_are_undone(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),
+                           monitor=MonitorConfig(slo_ttft_s=2.0, slo_tpot_s=0.5))
+    sim = Simulation(fleet, settings)
+    first = sim.run(burst())
+    assert first.origin == 0.0 and min(sim.executors["exec0"].layer_bits) < 16  # quantized under the burst
+    waited, settled = sim.rest(rest_s=10.0, timeout_s=180.0)
+    assert settled and waited >= 10.0 and sim.executors["exec0"].layer_bits == [16] * 30  # all restored
+    second = sim.run(burst())
+    assert second.origin == pytest.approx(first.origin + first.elapsed_s + waited)
+    assert {r.index for r in second.requests}.isdisjoint(r.index for r in first.requests)
+    offsets = [r.arrival_s - second.origin for r in second.requests]
+    assert offsets == pytest.approx([r.arrival_s for r in first.requests])
+    assert all(r.error is None and r.tokens == 60 for r in first.requests)
+    # An executor with a history predicts waits from a full window of departures, so under this burst it refuses
+    # some (executor/admission.py); none is left unfinished.
+    assert all(r.done_s is not None for r in second.requests)
+    assert all(t >= 0.0 for t, _ in second.samples) and second.events[0].time >= second.origin
+    quantized = [e for e in second.events if e.kind == "command" and e.data["kind"] == "quantize"]
+    assert quantized  # a rested cluster meets the second burst as it met the first
+
+
+def test_a_request_unfinished_at_the_drain_is_cancelled_and_frees_its_pages(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    sim = Simulation(fleet, SimSettings(drain_s=0.05))
+    played = sim.run([TraceRequest(0.0, 200, 400)])
+    (request,) = played.requests
+    assert request.error == "unfinished at the end of the drain"
+    assert sim.rest(rest_s=1.0, timeout_s=10.0)[1]  # the step it was in ends first
+    executor = sim.executors["exec0"]
+    assert not executor.requests and not executor.scheduler.has_work() and executor.ledger.snapshot().pages_kv_used == 0
+    assert request.error == "unfinished at the end of the drain" and request.tokens <= 1
 
 
 def test_the_simulator_runs_the_controllers_own_policy_not_a_copy(tmp_path, monkeypatch):
@@ -264,14 +300,15 @@ def test_a_replicate_takes_the_replicas_slots_and_splits_the_batch(tmp_path):
     assert [layer.placement for layer in after.plan.layers[9:11]] == [["exec0", "exec1"], ["exec0"]]
     assert seconds == pytest.approx(0.005)  # no measured line: the weights over the hop line, all intercept
     # Two prompts: layers 0-9 computed side by side, one prompt each (exec1's with a hop there and back), then
-    # layers 10-29 on exec0 with both: 10*0.002 + 2*0.005 + 20*2*0.002 + 0.010 = 0.12 s, against 0.13 s alone.
-    assert a_step_of_two_prompts(leader) == pytest.approx(0.12)
+    # layers 10-29 on exec0 with both: 10*0.002 + 2*0.005 + 20*0.002 + 0.010 = 0.08 s, against 0.07 s alone (a
+    # batch costs what one prompt does here, so splitting it buys nothing and the hops cost).
+    assert a_step_of_two_prompts(leader) == pytest.approx(0.08)
     assert spare.busy.share(0.5) == pytest.approx(0.02 / 1.0)
 
 
 def test_a_step_of_the_spare_plan_is_the_leaders_alone(tmp_path):
     leader = spare_cluster(tmp_path).executors["exec0"]
-    assert a_step_of_two_prompts(leader) == pytest.approx(30 * 2 * PREFILL_S + OVERHEAD_S)
+    assert a_step_of_two_prompts(leader) == pytest.approx(30 * PREFILL_S + OVERHEAD_S)
 
 
 @pytest.mark.parametrize("args, why", [

@@ -22,8 +22,10 @@ that do, all imported from the services:
   decisions): it waits for the merge that holds it, whose tp_merge every member takes at its own step
   boundary; the merge happens once the last of them is there (the collective), and the request is admitted
   on the merged leader once the monitor's state shows it.
-Executors: several join one world, as `morphling up` starts them (each a TP1 instance that can merge); with
-`spare`, bench/modes.py's spare plan makes instances of two (CoCoServe's start, instance.py).
+Executors: those of one world (the fleet's `world_size`, else all, as `morphling up` starts them on one host)
+each serve as a TP1 instance that can merge within it; with `spare`, bench/modes.py's spare plan makes
+instances of two (CoCoServe's start, instance.py). Windows replay one after another on the same cluster, with
+the bench's rest between them (`rest`).
 Events in the audit shape (`command`, `pressure`) are kept so that the bench's events.actions and
 events.reaction read a simulation as they read a real run.
 """

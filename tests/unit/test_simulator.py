@@ -211,7 +211,7 @@ def test_the_simulator_runs_the_controllers_own_policy_not_a_copy(tmp_path, monk
     assert calls  # the ladder reached services/controller/policies/morph.py itself
     # ...and no file of the simulator defines a function of the pieces it must import.
     owned = {"plan", "make_policy", "choose_executor", "serving", "observe", "state", "schedule", "sendable",
-             "pages_growth", "advance", "splits"}
+             "pages_growth", "advance", "splits", "at_rest", "shape", "cluster_body"}
     for path in (PROJECT_ROOT / "services" / "simulator").glob("*.py"):
         defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
         assert not defined & owned, f"{path.name} defines {defined & owned}: import it instead"
@@ -228,8 +228,10 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
     fp16 = report["modes"]["fp16"]
     for key in ("ttft_p95", "slo_violation_pct", "tpot_p50", "throughput_tok_s", "quality", "spread", "windows"):
         assert key in fp16
-    window = next(iter(fp16["windows"].values()))
-    assert window["simulation"]["simulated_s_per_wall_s"] > 0 and window["request_count"] > 0
+    first, second = fp16["windows"].values()
+    assert first["simulation"]["simulated_s_per_wall_s"] > 0 and first["request_count"] > 0
+    assert first["rest"] == {"waited_s": 0.0, "started_at_rest": True}  # the bench's windows: rested between
+    assert second["rest"]["started_at_rest"] and second["rest"]["waited_s"] >= 10.0
     assert fp16["quality"]["full_precision_token_share"] == 1.0
     assert "morph" in report["comparison"] and (out / "ttft_cdf.png").is_file()
     assert "TTFT p50" in capsys.readouterr().out
@@ -237,7 +239,8 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [(["--modes", "fp16,fp16"], "at most once"),
                                            (["--modes", "morph"], "add fp16"),
-                                           (["--window-s", "0"], "--window-s must be positive")])
+                                           (["--window-s", "0"], "--window-s must be positive"),
+                                           (["--rest-s", "-1"], "must not be negative")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         simulate_cli.parse_args(argv)

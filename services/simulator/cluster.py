@@ -115,7 +115,6 @@ class Simulation:
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []
         self.decisions, self.plan_seconds = 0, 0.0
-        self._started = False
         self._at_rest: dict = {}  # the cluster as it started, by bench/rest.py's rule: what a rest returns to
         self._issued = 0  # requests made so far, over every window: their ids
         self._open: set[int] = set()  # the window's requests not finished or refused yet
@@ -147,14 +146,13 @@ class Simulation:
         requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens)
                     for i, r in enumerate(arrivals)]
         self._issued += len(requests)
-        if not self._started:
-            self._started = True
+        if self.state is None:  # a fresh cluster: its first reports and state
             for name in self.executors:
                 self.at(self.now, self._report, name, True)
             self.at(self.now, self._tick)
             self.at(self.now, self._sample)
-            self._advance(self.now)  # the first reports and state: the cluster as it starts, which a rest returns to
-            self._at_rest = at_rest(cluster_body(self.state))
+            self._advance(self.now)
+            self._at_rest = at_rest(cluster_body(self.state))  # the cluster as it starts: what a rest returns to
         self._open = {r.index for r in requests}
         samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
                                                     self.plan_seconds)

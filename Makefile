@@ -44,12 +44,17 @@ bench-engine: install-test
 # data the GPU tests read into .data/; send both along (the device tool's `carry`), then run there, with the
 # machine's own python3, `make test-gpu` (tests/gpu: the engine vs transformers, compiled kernels, CUDA graphs)
 # and `make bench-gpu` (Llama-3.2-1B and Llama-3-8B shapes, random weights, bf16: decode vs transformers and the
-# roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes).
+# roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes), which
+# begins with `make profile-gpu`: SplitQuant's latency profile of Llama-3-8B's layers there, what the simulator's
+# GPU fleets read (services/simulator/fleets). Its grid stays within an 80 GB GPU: 32 sequences of 2,048 tokens
+# prefilled at once to decode; the model is linear in the batch, so larger batches are extrapolated.
 GPU_SITE ?= /tmp/morphling-site
 GPU_OUT ?= bench-out/gpu
 GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) MORPHLING_DATA=$(CURDIR)/.data python3
-GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf
-.PHONY: gpu-bundle gpu-site test-gpu bench-gpu
+GPU_WHEELS := scipy pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf
+LATENCY_GRID := --batches 1,4,16,32 --prompts 128,256,512,1024 --contexts 512,1024,2048 \
+	--heldout-batches 2,8,24 --heldout-prompts 192,384,768 --heldout-contexts 768,1536 --memory-budget 32GiB
+.PHONY: gpu-bundle gpu-site test-gpu bench-gpu profile-gpu
 gpu-bundle: install
 	rm -rf .whl .data && mkdir -p .whl .data/corpora
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -65,7 +70,11 @@ gpu-site:
 test-gpu: gpu-site
 	MORPHLING_GPU_TESTS=1 $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
 
-bench-gpu: gpu-site
+profile-gpu: gpu-site
+	$(GPU_PY) -m services.cli profile --latency --device cuda --shape llama-3-8b $(LATENCY_GRID) \
+		--out $(GPU_OUT)/latency_profile_llama-3-8b.json
+
+bench-gpu: profile-gpu
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \
 		--shape llama-3.2-1b --sections decode,swap --out $(GPU_OUT)/llama-3.2-1b
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \

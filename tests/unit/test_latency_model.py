@@ -5,13 +5,17 @@ import json
 
 import pytest
 import torch
+from tqdm import tqdm
 
 from shared.planner.latency import (
     DECODE_FEATURES, PREFILL_FEATURES, FittedLatency, LatencyError, decode_features, fit, fit_error,
     load_profile, prefill_features,
 )
+from services.executor.engine.engine import LLMEngine
+from services.executor.engine.graphs import DecodeGraphs
 from services.executor.engine.morphing import variants
 from services.executor.tools import profile_latency
+from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama_8kv
 
 PREFILL = [2e-4, 5e-5, 1e-6, 3e-7, 2e-10]
@@ -144,3 +148,24 @@ def test_heldout_error_is_reported_per_phase_and_bits(profiled):
         for bits in ("16", "4"):
             error = record["fit_error"][phase][bits]
             assert error["points"] == points and 0 <= error["mean_rel"] <= error["max_rel"]
+
+
+def test_decode_behind_graphs_is_timed_on_each_layers_replay_at_its_bits_in_the_batchs_bucket(tmp_path, monkeypatch):
+    """On CUDA the engine serves decode from graphs, so the profile times their replays: here the graphs'
+    eager twins stand in for the captured ones, and every timed play must be the layer, bits and bucket
+    (buckets 1, 2, 4, 8) that the engine would replay for that batch."""
+    monkeypatch.setattr(variants, "DEFAULT_CACHE_DIR", tmp_path / "variants")
+    engine = LLMEngine(EngineConfig(model=str(write_tiny_llama_8kv(tmp_path / "tiny")), memory_budget=24 << 20,
+                                    max_num_seqs=8, max_num_batched_tokens=256), progress=False)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.config.block_size, engine.max_model_len, 8,
+                                                 engine.config.variant_bits, capture=False)
+    played = []
+    play = graphs.play_layer
+    monkeypatch.setattr(graphs, "play_layer", lambda static, index, bits: (played.append((static.rows, index, bits)),
+                                                                          play(static, index, bits)))
+    with tqdm(disable=True) as bar:
+        seconds = profile_latency.measure_decode(engine, (16, 4), [(3, 32), (5, 32)], [0, 3], 2, bar)
+    assert set(seconds) == {(16, 3, 32), (16, 5, 32), (4, 3, 32), (4, 5, 32)} and min(seconds.values()) > 0
+    full = engine.model.full_bits  # what the profile calls 16: float32's on the CPU
+    assert sorted(set(played)) == [(rows, index, bits) for rows in (4, 8) for index in (0, 3) for bits in (4, full)]
+    assert len(played) == 4 * 2 * 3  # every (bits, batch): an untimed run and two timed ones, over two layers

@@ -140,14 +140,25 @@ class DecodeGraphs:
     def run(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
         """Logits `[len(decodes), vocab]` (float32) of a step of single-token chunks, in their order. The
         tensor is a view of a static buffer: the next step overwrites it."""
+        static = self.prepare(decodes)
+        for index, bits in enumerate(self.model.layer_bits):
+            self.play_layer(static, index, bits)
+        self._play(static, "logits")
+        return static.logits[:len(decodes)]
+
+    @torch.inference_mode()
+    def prepare(self, decodes: list[ScheduledChunk]) -> StaticDecode:
+        """The smallest bucket that holds `decodes`, their inputs copied in and embedded: ready for its layers."""
         static = self.static[min(b for b in self.static if b >= len(decodes))]
         static.fill(decodes, self.block_size)
         self._play(static, "embed")
-        for index, bits in enumerate(self.model.layer_bits):
-            self.model.wait_for_swap(index)
-            self._play(static, (index, bits))
-        self._play(static, "logits")
-        return static.logits[:len(decodes)]
+        return static
+
+    @torch.inference_mode()
+    def play_layer(self, static: StaticDecode, index: int, bits: int) -> None:
+        """Decoder layer `index` at `bits` over the prepared bucket, once its swap has landed."""
+        self.model.wait_for_swap(index)
+        self._play(static, (index, bits))
 
     def _play(self, static: StaticDecode, key: Hashable) -> None:
         if self.capture:

@@ -4,7 +4,8 @@ The model (shared/planner/latency.py) predicts the seconds of one decoder layer 
 each precision; its coefficients are fitted here from times measured with the real engine. A layer is timed
 as the engine runs it: `DecoderModel.run_layers` over the ForwardBatch the runner builds from the
 scheduler's chunks, with every layer at the measured precision (set by the engine's swapper; 16 stands for
-the serving dtype's full precision, float32 on CPU). At each point:
+the serving dtype's full precision, float32 on CPU). On CUDA a decode layer is its captured graph replayed
+(graphs.py), as the engine serves decode there, and every time is taken with CUDA events. At each point:
 
 - prefill: v fresh sequences of s prompt tokens, admitted whole in one step (the step's token budget is
   raised to hold v·s). The step is scheduled, its layers timed, and the sequences aborted unrun.
@@ -44,13 +45,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import ForwardBatch
-from services.executor.engine.scheduling.scheduler import SchedulerOutput
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from services.executor.tools.profile import write_json
 from services.executor.tools.profile_speedup import ProfileError, decoding, positive
 from services.executor.tools.shapes import SHAPES, ensure_checkpoint
@@ -68,6 +70,7 @@ LENGTH = {"prefill": "prompt", "decode": "context"}  # what a sample's second co
 ROOM_TOKENS = 8
 
 Point = tuple[int, int]  # (batch, prompt or context)
+T = TypeVar("T")
 
 
 # --- timing --------------------------------------------------------------------------------------------
@@ -99,24 +102,56 @@ def scheduled(engine: LLMEngine) -> SchedulerOutput:
     return out
 
 
+def elapsed(run: Callable[[], T], cuda: bool) -> tuple[T, float]:
+    """What `run` returns, and the seconds it takes with the device idle before it. On CUDA, events around
+    it: a host clock would count its own wait, tens of microseconds against a decode layer's hundred or two."""
+    if not cuda:
+        start = time.perf_counter()
+        result = run()
+        return result, time.perf_counter() - start
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    result = run()
+    end.record()
+    end.synchronize()
+    return result, start.elapsed_time(end) / 1000
+
+
+def median_mean(runs: list[list[float]]) -> float:
+    """Per timed layer the median over the runs after the first (the allocator's first of that shape), then
+    the mean over the layers."""
+    return statistics.fmean(statistics.median(run[i] for run in runs[1:]) for i in range(len(runs[0])))
+
+
 def layer_seconds(engine: LLMEngine, batch: ForwardBatch, layers: list[int], repeats: int) -> float:
-    """Seconds one decoder layer takes over `batch`: per layer in `layers` the median over `repeats` runs
-    after an untimed one, then the mean over the layers. Each run goes through `layers` in turn from the
-    batch's embeddings, so every layer sees hidden states of the right shape."""
-    model = engine.model
-    sync = torch.cuda.synchronize if engine.arena.buffer.is_cuda else (lambda: None)  # CUDA times need waits
+    """Seconds one decoder layer takes over `batch`, run eagerly (median_mean over `repeats` runs and
+    `layers`). Each run goes through `layers` in turn from the batch's embeddings, so every layer sees
+    hidden states of the right shape."""
+    model, cuda = engine.model, engine.arena.buffer.is_cuda
     runs = []
     for _ in range(repeats + 1):
         x = model.embed(batch.input_ids)
         run = []
         for index in layers:
-            sync()
-            start = time.perf_counter()
-            x = model.run_layers(x, batch, range(index, index + 1))
-            sync()
-            run.append(time.perf_counter() - start)
+            x, seconds = elapsed(lambda: model.run_layers(x, batch, range(index, index + 1)), cuda)
+            run.append(seconds)
         runs.append(run)
-    return statistics.fmean(statistics.median(run[i] for run in runs[1:]) for i in range(len(layers)))
+    return median_mean(runs)
+
+
+def replayed_layer_seconds(engine: LLMEngine, decodes: list[ScheduledChunk], layers: list[int], repeats: int
+                           ) -> float:
+    """Seconds one decoder layer takes in a decode step of `decodes` as the engine runs it on CUDA: its graph
+    at the bits the layer holds, replayed in the bucket that holds the batch (graphs.py), padding rows
+    included. Timing decode eagerly there would charge each layer its kernels' launches, which the graphs
+    exist to remove (4.4x at batch 1, docs/benchmarks.md). The hidden states pass through `layers` in turn,
+    as in layer_seconds."""
+    graphs, cuda, bits = engine.runner.graphs, engine.arena.buffer.is_cuda, engine.model.layer_bits
+    static = graphs.prepare(decodes)
+    runs = [[elapsed(lambda: graphs.play_layer(static, index, bits[index]), cuda)[1] for index in layers]
+            for _ in range(repeats + 1)]
+    return median_mean(runs)
 
 
 def prompt_ids(engine: LLMEngine, index: int, length: int) -> list[int]:
@@ -178,7 +213,10 @@ def measure_decode(engine: LLMEngine, bits: Iterable[int], points: list[Point], 
                 set_bits(engine, b)
                 for v in sizes:
                     bar.set_postfix_str(f"decode {b}-bit {v}×{context}")
-                    seconds[b, v, context] = layer_seconds(engine, batches[v], layers, repeats)
+                    if engine.runner.graphs is not None:
+                        seconds[b, v, context] = replayed_layer_seconds(engine, out.chunks[:v], layers, repeats)
+                    else:
+                        seconds[b, v, context] = layer_seconds(engine, batches[v], layers, repeats)
                     bar.update()
     return seconds
 

@@ -46,14 +46,15 @@ bench-engine: install-test
 # and `make bench-gpu` (Llama-3.2-1B and Llama-3-8B shapes, random weights, bf16: decode vs transformers and the
 # roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes), which
 # begins with `make profile-gpu`: SplitQuant's latency profile of Llama-3-8B's layers there, what the simulator's
-# GPU fleets read (services/simulator/fleets). Its grid stays within an 80 GB GPU: 32 sequences of 2,048 tokens
-# prefilled at once to decode; the model is linear in the batch, so larger batches are extrapolated.
+# GPU fleets read (services/simulator/fleets). Its grid is serving's on an 80 GB GPU: prefill steps up to 32k
+# tokens, prompts to 4,096; decodes of up to 128 sequences (128 × 1,024 tokens prefilled at once to reach them).
 GPU_SITE ?= /tmp/morphling-site
 GPU_OUT ?= bench-out/gpu
 GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) MORPHLING_DATA=$(CURDIR)/.data python3
 GPU_WHEELS := scipy pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf
-LATENCY_GRID := --batches 1,4,16,32 --prompts 128,256,512,1024 --contexts 512,1024,2048 \
-	--heldout-batches 2,8,24 --heldout-prompts 192,384,768 --heldout-contexts 768,1536 --memory-budget 32GiB
+LATENCY_GRID := --batches 1,2,4,8 --prompts 256,512,1024,2048,4096 --heldout-batches 3,6 \
+	--heldout-prompts 384,768,1536,3072 --decode-batches 1,16,64,128 --contexts 256,512,1024 \
+	--heldout-decode-batches 8,32,96 --heldout-contexts 384,768 --memory-budget 40GiB
 .PHONY: gpu-bundle gpu-site test-gpu bench-gpu profile-gpu
 gpu-bundle: install
 	rm -rf .whl .data && mkdir -p .whl .data/corpora

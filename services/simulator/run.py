@@ -39,8 +39,8 @@ from services.bench.report import comparison, mode_summary, print_table, window_
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation
-from services.simulator.fidelity import compare, print_fidelity
-from services.simulator.fleet import FleetError, read_fleet
+from services.simulator.fidelity import compare, decode_steps, print_decode_steps, print_fidelity
+from services.simulator.fleet import Fleet, FleetError, read_fleet
 from shared.config import ControllerConfig, MonitorConfig, data_dir
 from shared.provenance import provenance
 
@@ -80,12 +80,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--compare", type=Path,
                     help="a `morphling bench` results.json: replay its windows at its rate scale and report how far "
                          "each prediction is from what it measured")
+    ap.add_argument("--compare-steps", type=Path,
+                    help="instead, a `morphling bench-engine --device cuda` JSON: the fleet's predicted decode steps "
+                         "against the ones it measured (written to steps.json in --out)")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in SIMULATED for m in args.modes) or len(set(args.modes)) != len(args.modes):
         ap.error(f"--modes takes each of {', '.join(SIMULATED)} at most once; got {','.join(args.modes) or 'nothing'}")
     args.modes.sort(key=lambda m: m != "fp16")
+    if args.compare_steps is not None:
+        try:
+            args.measured_steps = json.loads(args.compare_steps.read_text())
+            args.measured_steps["decode"]["rows"][0]["ours_step_ms"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            ap.error(f"--compare-steps {args.compare_steps}: not a `morphling bench-engine --device cuda` result "
+                     f"with decode rows ({e})")
     if args.compare is not None:
         try:
             args.measured = json.loads(args.compare.read_text())
@@ -187,10 +197,24 @@ def measure_capacity(fleet, rows, args) -> dict:
             "probes": [vars(p) | {"meets_slo": p.meets(args.slo_ttft)} for p in probes]}
 
 
+def compare_steps(fleet: Fleet, args: argparse.Namespace) -> int:
+    spec = fleet.executors[0]
+    steps = decode_steps(spec, fleet.shape.num_layers, args.measured_steps)
+    print_decode_steps(steps, spec, args.measured_steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"steps": steps, "measured": str(args.compare_steps), "device": spec.device.name,
+              "latency": spec.latency.source, **provenance(args, skip=("measured_steps",))}
+    (args.out / "steps.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {args.out / 'steps.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         fleet = read_fleet(args.fleet)
+        if args.compare_steps is not None:
+            return compare_steps(fleet, args)
         rows = read_rows(args.trace)
         windows = pick_windows(rows, args.window_s, args.busy, args.ordinary)
     except (FleetError, TraceError) as e:

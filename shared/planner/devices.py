@@ -24,6 +24,7 @@ so NVLink is not assumed; `link_GBps` in a cluster file overrides it.
 """
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,6 +72,17 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     _gpu("P100-12GB", 12, 549, 18.7),
     Device("cpu", 0),
 )}
+
+
+def table_name(gpu_name: str) -> str | None:
+    """The table's name for a GPU as CUDA names it ("NVIDIA H100 80GB HBM3" is H100-80GB), or None: the model
+    must appear as a word, and its memory too where the table has the model in several sizes."""
+    for name in DEVICES:
+        model, _, memory = name.partition("-")
+        sizes = [n for n in DEVICES if n.partition("-")[0] == model]
+        if re.search(rf"\b{re.escape(model)}\b", gpu_name) and (len(sizes) == 1 or memory in gpu_name):
+            return name
+    return None
 
 
 def device(entry: str | dict, where: str = "devices") -> Device:

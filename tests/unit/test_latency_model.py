@@ -94,6 +94,7 @@ def test_predictions_are_clamped_above_zero():
 
 
 BATCHES, PROMPTS, CONTEXTS = (1, 6), (8, 32, 64), (16, 400)
+DECODE_BATCHES = (1, 3, 6)  # decode's own grid of batches
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,8 @@ def profiled(tmp_path_factory):
             record = profile_latency.main([
                 "--model", str(model), "--memory-budget", "24MiB", "--threads", "1", "--bits", "16,4",
                 "--batches", ",".join(map(str, BATCHES)), "--prompts", ",".join(map(str, PROMPTS)),
-                "--contexts", ",".join(map(str, CONTEXTS)), "--heldout-batches", "2,3", "--heldout-prompts", "16,48",
+                "--contexts", ",".join(map(str, CONTEXTS)), "--decode-batches", ",".join(map(str, DECODE_BATCHES)),
+                "--heldout-decode-batches", "4", "--heldout-batches", "2,3", "--heldout-prompts", "16,48",
                 "--heldout-contexts", "64", "--layers-timed", "2", "--repeats", "1", "--decode-repeats", "5",
                 "--out", str(out)])
         finally:
@@ -127,7 +129,7 @@ def test_profile_loads_as_a_fitted_latency(profiled):
                            "head_dim": 16, "dtype_bytes": 4, "num_layers": 4}
     assert record["features"] == {"prefill": list(PREFILL_FEATURES), "decode": list(DECODE_FEATURES)}
     assert len(record["samples"]["prefill"]) == 2 * len(BATCHES) * len(PROMPTS)
-    assert len(record["samples"]["decode"]) == 2 * len(BATCHES) * len(CONTEXTS)
+    assert len(record["samples"]["decode"]) == 2 * len(DECODE_BATCHES) * len(CONTEXTS)
     assert all(s["seconds"] > 0 for phase in ("prefill", "decode") for s in record["samples"][phase])
 
 
@@ -138,13 +140,14 @@ def test_fitted_profile_predicts_positive_times_that_grow_with_the_decode_batch(
         assert model.prefill(bits, 1, PROMPTS[0]) > 0 and model.prefill(bits, 3, 100) > 0
         # the corners of the measured range: 6 × 400 past tokens read far more KV than 1 × 16 (about twice
         # the time even in this tiny model, well clear of a shared machine's noise)
-        assert 0 < model.decode(bits, BATCHES[0], CONTEXTS[0]) < model.decode(bits, BATCHES[-1], CONTEXTS[-1])
+        assert 0 < model.decode(bits, DECODE_BATCHES[0], CONTEXTS[0]) < model.decode(bits, DECODE_BATCHES[-1],
+                                                                                    CONTEXTS[-1])
 
 
 def test_heldout_error_is_reported_per_phase_and_bits(profiled):
     record, _ = profiled
-    assert len(record["heldout"]["prefill"]) == 2 * 2 * 2 and len(record["heldout"]["decode"]) == 2 * 2
-    for phase, points in (("prefill", 4), ("decode", 2)):
+    assert len(record["heldout"]["prefill"]) == 2 * 2 * 2 and len(record["heldout"]["decode"]) == 2 * 1
+    for phase, points in (("prefill", 4), ("decode", 1)):
         for bits in ("16", "4"):
             error = record["fit_error"][phase][bits]
             assert error["points"] == points and 0 <= error["mean_rel"] <= error["max_rel"]

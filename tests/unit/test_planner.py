@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.planner import heuristic, ilp
-from shared.planner.devices import DEVICES, ClusterError, parse_devices, read_cluster
+from shared.planner.devices import DEVICES, ClusterError, parse_devices, read_cluster, table_name
 from shared.planner.memory import PaperMemory, Workload, weight_bytes
 from services.executor.tools.plan import main as plan_main
 from shared.planner.problem import Costs, Problem, evaluate
@@ -138,6 +138,15 @@ def test_devices_parse_names_and_memories():
                       ("", "name at least one device")):
         with pytest.raises(ClusterError, match=says):
             parse_devices(bad)
+
+
+def test_a_gpu_as_cuda_names_it_is_found_in_the_table_by_its_model_and_memory():
+    """A profile written on a GPU must carry the table's name, or a plan would not apply it to that device."""
+    found = {gpu: table_name(gpu) for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-40GB",
+                                              "NVIDIA A100 80GB PCIe", "NVIDIA L4", "NVIDIA L40S", "Tesla T4")}
+    assert found == {"NVIDIA H100 80GB HBM3": "H100-80GB", "NVIDIA H200": "H200-141GB",
+                     "NVIDIA A100-SXM4-40GB": "A100-40GB", "NVIDIA A100 80GB PCIe": "A100-80GB", "NVIDIA L4": "L4",
+                     "NVIDIA L40S": None, "Tesla T4": "T4"}
 
 
 def test_a_cluster_file_reads_like_the_flag(tmp_path):

@@ -267,6 +267,26 @@ def test_compare_replays_a_run_at_its_rate_and_reports_signed_errors(tmp_path):
     assert row["actions"] == {"measured": {"quantize": 1}, "predicted": {}}
 
 
+def test_compare_steps_sets_the_fleets_decode_step_against_a_measured_engine_bench(tmp_path, capsys):
+    """Every layer takes DECODE_S and a step OVERHEAD_S more, whatever the batch: 30 layers make 40 ms."""
+    measured = tmp_path / "engine_gpu_bench.json"
+    measured.write_text(json.dumps({"machine": {"gpu": "NVIDIA H100 80GB HBM3"}, "decode": {"rows": [
+        {"batch": 1, "kv_tokens_mean": 100.0, "ours_step_ms": 50.0},
+        {"batch": 4, "kv_tokens_mean": 400.0, "ours_step_ms": 20.0}]}}))
+    out = tmp_path / "steps"
+    argv = ["--fleet", str(write_fleet(tmp_path)), "--compare-steps", str(measured), "--out", str(out)]
+    assert simulate_cli.main(argv) == 0
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    assert [(s["batch"], s["context"]) for s in steps] == [(1, 100), (4, 100)]  # the bench counts all the KV
+    assert [s["predicted_ms"] for s in steps] == pytest.approx([40.0, 40.0])
+    assert [s["error"] for s in steps] == pytest.approx([-0.2, 1.0])
+    assert "NVIDIA H100 80GB HBM3 measured" in capsys.readouterr().out
+    measured.write_text(json.dumps({"decode": {"rows": []}}))
+    with pytest.raises(SystemExit) as exc:
+        simulate_cli.parse_args(argv)
+    assert exc.value.code == 2 and "not a `morphling bench-engine --device cuda` result" in capsys.readouterr().err
+
+
 def test_copies_multiply_the_volume_and_keep_every_burst_in_place():
     window = [TraceRequest(0.0, 10, 2), TraceRequest(0.1, 11, 3), TraceRequest(4.0, 12, 4)]
     played = simulate_cli.superposed(window, 4)

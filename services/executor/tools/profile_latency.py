@@ -57,6 +57,7 @@ from services.executor.tools.profile import write_json
 from services.executor.tools.profile_speedup import ProfileError, decoding, positive
 from services.executor.tools.shapes import SHAPES, ensure_checkpoint
 from shared.config import RESULTS_DIR, EngineConfig, parse_size, served_model_name
+from shared.planner.devices import table_name
 from shared.planner.latency import FEATURES, FittedLatency, fit, fit_error
 from shared.provenance import provenance
 from shared.sampling import SamplingOptions
@@ -344,8 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--memory-budget", default="800MiB",
                     help="the arena: the layers at full precision plus the KV of the largest decode batch")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--device-name", help="the devices-table name written into the profile "
-                                          "(default: cpu on CPU, else the GPU's name)")
+    ap.add_argument("--device-name", help="the devices-table name written into the profile: a plan applies it "
+                                          "to devices of that name (default: the table's name for this "
+                                          "device, else the GPU's own)")
     ap.add_argument("--threads", type=positive, default=max(1, cores // 2),
                     help="torch threads (default: half the cores, as profile --speedup)")
     ap.add_argument("--bits", type=bits_arg, default=PROFILED_BITS, help="precisions to profile, comma-separated")
@@ -359,15 +361,20 @@ def main(argv: list[str] | None = None) -> dict:
                     help="batch sizes of the held-out points the fit's error is measured on")
     ap.add_argument("--heldout-prompts", type=lengths(1), default=(48, 96, 192))
     ap.add_argument("--heldout-contexts", type=lengths(1), default=(128, 384))
+    # A GPU serves hundreds of decodes in a step but prefills a few long prompts: each phase its own batches.
+    ap.add_argument("--decode-batches", type=lengths(2), help="decode's batch sizes, if not --batches")
+    ap.add_argument("--heldout-decode-batches", type=lengths(1), help="decode's held-out batch sizes, if not "
+                                                                        "--heldout-batches")
     ap.add_argument("--layers-timed", type=positive, default=4, help="layers timed per point, spread over the depth")
     ap.add_argument("--repeats", type=positive, default=3, help="timed runs per prefill point (the median is kept)")
     ap.add_argument("--decode-repeats", type=positive, default=10, help="timed runs per decode point")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON to write (the PNG goes beside it)")
     args = ap.parse_args(argv)
 
-    points = {"prefill": grid(args.batches, args.prompts), "decode": grid(args.batches, args.contexts)}
+    points = {"prefill": grid(args.batches, args.prompts),
+              "decode": grid(args.decode_batches or args.batches, args.contexts)}
     held = {"prefill": grid(args.heldout_batches, args.heldout_prompts),
-            "decode": grid(args.heldout_batches, args.heldout_contexts)}
+            "decode": grid(args.heldout_decode_batches or args.heldout_batches, args.heldout_contexts)}
     for phase in FEATURES:
         if on_grid := sorted(set(points[phase]) & set(held[phase])):
             ap.error(f"held-out {phase} points {on_grid} are on the fitting grid")
@@ -388,7 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
     if engine.max_model_len < longest + ROOM_TOKENS:
         raise ProfileError(f"the model attends to {engine.max_model_len} tokens at most: lengths up to {longest} "
                            f"need {longest + ROOM_TOKENS}")
-    args.device_name = args.device_name or ("cpu" if args.device == "cpu" else torch.cuda.get_device_name(args.device))
+    if args.device_name is None:
+        gpu = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+        args.device_name = table_name(gpu) or gpu
     layers = spread(engine.model_config.num_layers, args.layers_timed)
     cfg = engine.model_config
     print(f"{served_model_name(args.model)} on {args.device_name}: {cfg.num_layers} layers, hidden "

@@ -5,7 +5,9 @@ the batch, and a table written for one GPU is wrong for the next (issue 15 measu
 0.22-0.73x of cuBLAS on an H100). So the first time a kernel meets a (shape, rows) key it times a few
 candidate configurations on the device, keeps the fastest, and records it in a small JSON file per GPU model,
 from which the next process starts tuned. Rows are keyed by their power of two, so a prefill of any length
-costs at most one tuning per bucket.
+costs at most one tuning per bucket. `kernels/tuned/` ships the files of the GPUs lent to this project: a
+fresh machine of such a model starts from them (its own file wins where both have a key), since tuning an
+engine's start cold took an H100 over six minutes.
 
 Timing needs the device outside a CUDA graph capture. Decode graphs run every piece once eagerly before they
 capture it (services/executor/engine/graphs.py), which is when a decode key is first met; a key first met
@@ -27,6 +29,7 @@ import torch
 Config = TypeVar("Config", bound=tuple)
 
 WARMUP, REPEATS = 2, 10
+SHIPPED = Path(__file__).parent / "tuned"
 _chosen: dict[str, tuple] = {}  # what this process launches: tuned here, or saved and still a candidate
 _saved: dict[str, tuple] = {}  # what the cache files hold
 _loaded: set[str] = set()  # the cache files read
@@ -53,8 +56,7 @@ def choose(kernel: str, key: Hashable, candidates: Callable[[], Sequence[Config]
     path = cache_file(device)
     if str(path) not in _loaded:
         _loaded.add(str(path))
-        if path.exists():
-            _saved.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
+        _saved.update(saved_choices(path))
     if _saved.get(name) in options:
         _chosen[name] = _saved[name]
         return _chosen[name]
@@ -66,6 +68,15 @@ def choose(kernel: str, key: Hashable, candidates: Callable[[], Sequence[Config]
     tmp.write_text(json.dumps(_saved, indent=1, sort_keys=True))
     tmp.replace(path)  # processes tuning at once each write a whole file
     return _chosen[name]
+
+
+def saved_choices(path: Path) -> dict[str, tuple]:
+    """What was tuned before on the GPU model whose file `path` is: the shipped file, then `path` over it."""
+    saved: dict[str, tuple] = {}
+    for source in (SHIPPED / path.name, path):
+        if source.exists():
+            saved.update({k: tuple(v) for k, v in json.loads(source.read_text()).items()})
+    return saved
 
 
 def _time(launch: Callable[[Config], object], config: Config) -> float:

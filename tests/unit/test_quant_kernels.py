@@ -10,6 +10,7 @@ tl.dot GEMM path; output widths that are not multiples of the tiles exercise the
 masks.  Shapes stay small because the interpreter runs every program in numpy.
 """
 
+import json
 import zlib
 
 import pytest
@@ -180,3 +181,23 @@ def test_every_launch_configuration_the_tuner_may_pick_computes_the_same_product
     for config in configs4:
         got = w4a16_linear_triton(x, q4.packed, q4.scale, q4.zero, 128, bias, config=config)
         torch.testing.assert_close(got, want4, atol=ATOL, rtol=RTOL, msg=f"W4A16 {config}")
+
+
+def test_a_fresh_machine_starts_from_the_shipped_choices_and_its_own_tuning_wins(tmp_path, monkeypatch):
+    from kernels import tuning
+
+    shipped, own = tmp_path / "shipped", tmp_path / "cache" / "NVIDIA_H100_80GB_HBM3.json"
+    shipped.mkdir()
+    (shipped / own.name).write_text(json.dumps({"w8a16(4096, 4096, 1, False)": ["gemv", 16, 64, 0],
+                                                "w8a16(4096, 4096, 16, False)": ["gemm", 16, 64, 128, 0]}))
+    monkeypatch.setattr(tuning, "SHIPPED", shipped)
+    assert tuning.saved_choices(own) == {"w8a16(4096, 4096, 1, False)": ("gemv", 16, 64, 0),
+                                         "w8a16(4096, 4096, 16, False)": ("gemm", 16, 64, 128, 0)}
+    own.parent.mkdir()
+    own.write_text(json.dumps({"w8a16(4096, 4096, 1, False)": ["gemv", 32, 128, 2]}))
+    assert tuning.saved_choices(own)["w8a16(4096, 4096, 1, False)"] == ("gemv", 32, 128, 2)
+    # what ships is what a lent H100 chose, and each choice is one its kernel can launch
+    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+    table = json.loads((tuning.Path(tuning.__file__).parent / "tuned" / own.name).read_text())
+    w8 = {key: tuple(choice) for key, choice in table.items() if key.startswith("w8a16")}
+    assert w8 and all(choice in launch_candidates(int(key.split(", ")[2]), W8_BLOCK_KS) for key, choice in w8.items())

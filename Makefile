@@ -44,10 +44,11 @@ bench-engine: install-test
 # data the GPU tests read into .data/; send both along (the device tool's `carry`), then run there, with the
 # machine's own python3, `make test-gpu` (tests/gpu: the engine vs transformers, compiled kernels, CUDA graphs)
 # and `make bench-gpu` (Llama-3.2-1B and Llama-3-8B shapes, random weights, bf16: decode vs transformers and the
-# roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes), which
-# begins with `make profile-gpu`: SplitQuant's latency profile of Llama-3-8B's layers there, what the simulator's
-# GPU fleets read (services/simulator/fleets). Its grid is serving's on an 80 GB GPU: prefill steps up to 32k
-# tokens, prompts to 4,096; decodes of up to 128 sequences (128 × 1,024 tokens prefilled at once to reach them).
+# roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes), and
+# `make profile-gpu`: SplitQuant's latency profile of Llama-3-8B's layers there, what the simulator's GPU fleets
+# read (services/simulator/fleets), on serving's grid for an 80 GB GPU: prefill steps up to 32k tokens, prompts
+# to 4,096; decodes of up to 128 sequences (128 × 1,024 tokens prefilled at once to reach them). Each target is
+# a call of its own: the device tool allows ten minutes a call.
 GPU_SITE ?= /tmp/morphling-site
 GPU_OUT ?= bench-out/gpu
 GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) MORPHLING_DATA=$(CURDIR)/.data python3
@@ -75,7 +76,7 @@ profile-gpu: gpu-site
 	$(GPU_PY) -m services.cli profile --latency --device cuda --shape llama-3-8b $(LATENCY_GRID) \
 		--out $(GPU_OUT)/latency_profile_llama-3-8b.json
 
-bench-gpu: profile-gpu
+bench-gpu: gpu-site
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \
 		--shape llama-3.2-1b --sections decode,swap --out $(GPU_OUT)/llama-3.2-1b
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \

@@ -92,8 +92,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.compare_steps is not None:
         try:
             args.measured_steps = json.loads(args.compare_steps.read_text())
-            args.measured_steps["decode"]["rows"][0]["ours_step_ms"]
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            rows = args.measured_steps["decode"]["rows"]
+            if not rows or any(not {"batch", "kv_tokens_mean", "ours_step_ms"} <= set(row) for row in rows):
+                raise ValueError("no decode rows of batch, kv_tokens_mean and ours_step_ms")
+        except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--compare-steps {args.compare_steps}: not a `morphling bench-engine --device cuda` result "
                      f"with decode rows ({e})")
     if args.compare is not None:

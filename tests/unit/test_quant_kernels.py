@@ -12,6 +12,7 @@ masks.  Shapes stay small because the interpreter runs every program in numpy.
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +199,6 @@ def test_a_fresh_machine_starts_from_the_shipped_choices_and_its_own_tuning_wins
     assert tuning.saved_choices(own)["w8a16(4096, 4096, 1, False)"] == ("gemv", 32, 128, 2)
     # what ships is what a lent H100 chose, and each choice is one its kernel can launch
     from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
-    table = json.loads((tuning.Path(tuning.__file__).parent / "tuned" / own.name).read_text())
+    table = json.loads((Path(tuning.__file__).parent / "tuned" / own.name).read_text())
     w8 = {key: tuple(choice) for key, choice in table.items() if key.startswith("w8a16")}
     assert w8 and all(choice in launch_candidates(int(key.split(", ")[2]), W8_BLOCK_KS) for key, choice in w8.items())

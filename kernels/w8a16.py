@@ -40,9 +40,12 @@ try:
 except ImportError:  # CPU-only installs run the torch path.
     _HAS_TRITON = False
 
-# Batches up to this many rows are decode steps and take the GEMV kernel; tl.dot needs 16-row tiles, so
-# below that a GEMM tile would be mostly padding.
+# Batches up to this many rows are decode steps and take the GEMV kernel untuned. tl.dot needs 16-row tiles,
+# so below that a GEMM tile is mostly padding, yet decode is bound by the weight's bytes, not the multiplies:
+# on an H100 the tuned GEMV took 5-9x a 16-row GEMM's time at 4-8 rows (docs/benchmarks.md), so from 2 rows
+# the tuner times 16-row GEMM tiles too.
 DECODE_MAX_ROWS = 16
+GEMM_MIN_ROWS = 2
 
 
 def w8a16_linear_ref(
@@ -104,19 +107,20 @@ GEMV_PRODUCT = 16384
 def launch_candidates(m: int, block_ks: tuple[int, ...], gemm: bool = True) -> list[tuple]:
     """Launch configurations worth timing for up to ``m`` rows (a power of two), the untuned default first:
     ``("gemv", BLOCK_N, BLOCK_K, split)`` up to DECODE_MAX_ROWS rows, ``("gemm", BLOCK_M, BLOCK_N, BLOCK_K,
-    split)`` from 16 rows on (when ``gemm``). ``block_ks``: the chunk widths the weight allows, its default
-    first."""
+    split)`` from GEMM_MIN_ROWS rows on (when ``gemm``; below 16 rows, the 16-row tiles). ``block_ks``: the
+    chunk widths the weight allows, its default first."""
     block_m = min(triton.next_power_of_2(m), DECODE_MAX_ROWS)
     out = []
     if m <= DECODE_MAX_ROWS or not gemm:
         out.append(("gemv", _gemv_block_n(block_m), block_ks[0], 2))
         out += [("gemv", bn, bk, split) for bn, bk in GEMV_TILES for split in SPLITS
                 if bk in block_ks and block_m * bn * bk <= GEMV_PRODUCT]
-    if m >= DECODE_MAX_ROWS and gemm:
+    if m >= GEMM_MIN_ROWS and gemm:
         gemm_ks = [bk for bk in block_ks if bk >= 32]
-        out.append(("gemm", 64 if m >= 64 else 32, 64, gemm_ks[0], 0))
+        if m >= DECODE_MAX_ROWS:
+            out.append(("gemm", 64 if m >= 64 else 32, 64, gemm_ks[0], 0))
         out += [("gemm", bm, bn, bk, split) for bm, bn, bk in GEMM_TILES for split in SPLITS
-                if bk in gemm_ks and bm <= triton.next_power_of_2(m)]
+                if bk in gemm_ks and bm <= max(16, triton.next_power_of_2(m))]
     return list(dict.fromkeys(out))
 
 

@@ -209,12 +209,14 @@ def measure_decode(engine: LLMEngine, bits: Iterable[int], points: list[Point], 
             if out.copies or got != [(context, 1)] * sizes[-1]:
                 raise ProfileError(f"the step holds (start, length) {got}, not {sizes[-1]} decodes at {context} "
                                    f"past tokens: cannot time its layers")
-            batches = {v: engine.runner.build(out.chunks[:v])[0] for v in sizes}
+            replayed = engine.runner.graphs is not None
+            # Graphs copy the chunks into their own buffers; eager layers read the runner's batch, built once a size.
+            batches = {} if replayed else {v: engine.runner.build(out.chunks[:v])[0] for v in sizes}
             for b in widest_first:
                 set_bits(engine, b)
                 for v in sizes:
                     bar.set_postfix_str(f"decode {b}-bit {v}×{context}")
-                    if engine.runner.graphs is not None:
+                    if replayed:
                         seconds[b, v, context] = replayed_layer_seconds(engine, out.chunks[:v], layers, repeats)
                     else:
                         seconds[b, v, context] = layer_seconds(engine, batches[v], layers, repeats)

@@ -126,7 +126,8 @@ if _HAS_TRITON:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # In int64: a prefill's rows times the outputs can pass 2**31 (131k tokens x 28,672 of gate/up).
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -154,7 +155,7 @@ if _HAS_TRITON:
             # Only the first split adds the bias, or the fold would count it once per split.
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         tl.store(
-            out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
+            out_ptr + pid_k.to(tl.int64) * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
             acc.to(out_ptr.dtype.element_ty),
             mask=m_mask[:, None] & n_mask[None, :],
         )
@@ -191,7 +192,8 @@ if _HAS_TRITON:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        # In int64: a prefill's rows times the outputs can pass 2**31 (131k tokens x 28,672 of gate/up).
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_mask = rm < M
@@ -218,7 +220,7 @@ if _HAS_TRITON:
             bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         tl.store(
-            out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
+            out_ptr + pid_k.to(tl.int64) * stride_os + rm[:, None] * stride_om + rn[None, :] * stride_on,
             acc.to(out_ptr.dtype.element_ty),
             mask=m_mask[:, None] & n_mask[None, :],
         )

@@ -93,6 +93,28 @@ def test_low_bit_linears(rows, shape, dtype):
     assert_matches(got, expected, dtype)
 
 
+def test_low_bit_linears_whose_output_passes_two_to_the_31_elements():
+    """A 131k-token prefill through gate/up writes 3.8e9 outputs: offsets past int32 must land where they
+    should (they once faulted with an illegal address). The last rows, past the line, against the reference
+    given the same bf16 scales: with one group of 128 inputs their rounding alone is a 1% error."""
+    bf16 = torch.bfloat16
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    out, inp = 28672, 128
+    rows = 2**31 // out + 64
+    w = torch.randn(out, inp, generator=gen, device=CUDA) * 0.02
+    x = torch.randn(rows, inp, generator=gen, device=CUDA).to(bf16)
+    tail = x[-64:].float()
+    q8 = quantize_int8(w)
+    scale = q8.scale.to(bf16)
+    got = w8a16_linear_triton(x, q8.qweight, scale)[-64:]
+    assert_matches(got, w8a16_linear_ref(tail, q8.qweight, scale.float()), bf16)
+    del got
+    q4 = quantize_int4(w, 128)
+    scale, zero = q4.scale.to(bf16), q4.zero.to(bf16)
+    got = w4a16_linear_triton(x, q4.packed, scale, zero, 128)[-64:]
+    assert_matches(got, w4a16_linear_ref(tail, q4.packed, scale.float(), zero.float(), 128), bf16)
+
+
 def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype) -> None:
     # bf16 output rounds each value to 8 bits of mantissa; sums over K add error relative to the row's size
     rel = (got.float() - expected).norm(dim=-1) / expected.norm(dim=-1)

@@ -123,6 +123,7 @@ def test_profile_loads_as_a_fitted_latency(profiled):
     record, out = profiled
     written = json.loads(out.read_text())
     assert written["coefficients"] == record["coefficients"] and out.with_suffix(".png").exists()
+    assert not out.with_suffix(".partial.json").exists()
     model = load_profile(out)
     assert model.device == "cpu" and model.bits == [16, 4]
     assert model.model == {"hidden_size": 128, "intermediate_size": 200, "num_heads": 16, "num_kv_heads": 8,
@@ -151,6 +152,31 @@ def test_heldout_error_is_reported_per_phase_and_bits(profiled):
         for bits in ("16", "4"):
             error = record["fit_error"][phase][bits]
             assert error["points"] == points and 0 <= error["mean_rel"] <= error["max_rel"]
+
+
+def test_a_run_cut_short_in_decode_keeps_the_prefill_it_measured(tmp_path, monkeypatch):
+    """A lent GPU's minutes can run out mid-profile: what the finished phase measured stays on disk."""
+    monkeypatch.setattr(variants, "DEFAULT_CACHE_DIR", tmp_path / "variants")
+
+    def cut_short(*args):
+        raise TimeoutError("the device's time ran out")
+
+    monkeypatch.setattr(profile_latency, "measure_decode", cut_short)
+    out = tmp_path / "latency.json"
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(TimeoutError):
+            profile_latency.main(["--model", str(write_tiny_llama_8kv(tmp_path / "tiny")), "--memory-budget", "24MiB",
+                                  "--threads", "1", "--bits", "16", "--batches", "1,2", "--prompts", "8,16,32",
+                                  "--heldout-batches", "3", "--heldout-prompts", "24", "--layers-timed", "1",
+                                  "--repeats", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert not out.exists()
+    kept = json.loads(out.with_suffix(".partial.json").read_text())
+    assert sorted((s["batch"], s["prompt"]) for s in kept["prefill"]) == [(1, 8), (1, 16), (1, 32), (2, 8), (2, 16),
+                                                                        (2, 32), (3, 24)]
+    assert all(s["seconds"] > 0 and s["bits"] == 16 for s in kept["prefill"])
 
 
 def test_decode_behind_graphs_is_timed_on_each_layers_replay_at_its_bits_in_the_batchs_bucket(tmp_path, monkeypatch):

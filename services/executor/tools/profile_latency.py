@@ -407,8 +407,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"({args.decode_repeats} for decode), {args.threads} threads", flush=True)
 
     bar = tqdm(total=len(args.bits) * sum(len(p) for p in everything.values()), desc="timing layers", unit="point")
+    # A run cut short (a device lent for minutes) keeps the phase it finished, beside the record to come.
+    partial = args.out.with_suffix(".partial.json")
     with bar:
         prefill = measure_prefill(engine, args.bits, everything["prefill"], layers, args.repeats, bar)
+        write_json(partial, {"device": args.device_name, "model": args.model, "layers_timed": layers,
+                             "prefill": samples(prefill, "prefill", everything["prefill"])})
         decode = measure_decode(engine, args.bits, everything["decode"], layers, args.decode_repeats, bar)
     seconds = {"prefill": prefill, "decode": decode}
     record = latency_profile(engine, args, layers,
@@ -418,5 +422,6 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(record)
     write_json(args.out, record)
     plot(record, args.out.with_suffix(".png"))
+    partial.unlink()
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({record['seconds']:.0f} s)")
     return record

@@ -82,6 +82,7 @@ class SpeedupProfile:
     layer: Line  # seconds of one decoder layer on one executor over a batch of t tokens
     hop: Line  # seconds to move B bytes of hidden states between two executors
     step_overhead: Line  # seconds of the rest of a step (embedding, logits, sampling, scheduling) over t tokens
+    all_reduce: Line | None = None  # seconds to sum B bytes across a pair; None in profiles written before it
 
     def layer_s(self, tokens: float) -> float:
         return self.layer.at(tokens)
@@ -133,7 +134,8 @@ class SpeedupProfile:
         profile = cls(model=text("model"), device=text("device"), threads=count("threads"),
                       num_layers=count("num_layers"), hidden_size=count("hidden_size"),
                       dtype_bytes=count("dtype_bytes"), layer=line("layer", "per_token_s"),
-                      hop=line("hop", "per_byte_s"), step_overhead=line("step_overhead", "per_token_s"))
+                      hop=line("hop", "per_byte_s"), step_overhead=line("step_overhead", "per_token_s"),
+                      all_reduce=line("all_reduce", "per_byte_s") if "all_reduce" in data else None)
         if profile.layer.intercept == 0 and profile.layer.slope == 0:
             # γ divides by the layer time: a layer that costs nothing cannot be sped up.
             raise fail("layer", "a layer that takes no time at any batch size cannot be sped up")

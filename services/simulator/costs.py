@@ -13,7 +13,8 @@
   else copying the layer's weights at the target bits at the device's memory bandwidth (a restore copies full
   precision back; a quantize writes the smaller variant).
 - A hop between two executors (a step's hidden states, an operation's weights and KV): the speed-up
-  profile's hop line over the bytes moved (services/simulator/fleet.py).
+  profile's hop line over the bytes moved (services/simulator/fleet.py). A TP layer's two sums of hidden
+  states: its all-reduce line, measured between a pair (gloo's costs 2-3x a hop on this CPU).
 - An operation on an instance (replicate, migrate, evict, tp_merge, tp_split): the measured line over the
   layers it moves where the fleet gives one, else the bytes it moves over the hop line.
 """
@@ -63,6 +64,13 @@ def _bits_count(layer_bits: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 def hop_seconds(spec: ExecutorSpec, nbytes: float) -> float:
     return spec.hop.at(nbytes) if nbytes > 0 else 0.0
+
+
+def all_reduce_seconds(spec: ExecutorSpec, nbytes: float) -> float:
+    """Summing `nbytes` across a TP instance's members: the measured pair's line (for any degree), else a hop."""
+    if spec.all_reduce is None:
+        return hop_seconds(spec, nbytes)
+    return spec.all_reduce.at(nbytes) if nbytes > 0 else 0.0
 
 
 def hidden_bytes(shape: ModelShape, dtype_bytes: int, tokens: int) -> int:

@@ -28,13 +28,16 @@ A fleet file is JSON:
   starts them on one host.
 - `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
   it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
+- `all_reduce_s`: the measured line `{"intercept_s": ..., "per_byte_s": ...}` of summing B bytes of hidden
+  states across two executors (`morphling profile --speedup`'s `all_reduce`), over the speed-up profile's own.
 - `operation_s`: the measured seconds of the operations on instances of several executors, each a line
   `{"intercept_s": ..., "per_layer_s": ...}` over the layers it moves (CoCoServe's `replicate`, `migrate`,
   `evict`: docs/benchmarks.md, "CoCoServe's operations: cost by number of layers"; AMOEBAs' `tp_merge` and
   `tp_split`, whose layers are all the model's: "AMOEBAs: what a runtime TP merge and split cost"). An
   operation it leaves out is modelled as its bytes (weights, KV rows or heads) over the hop line below.
 - The hop line (seconds over the bytes moved between two executors: hidden states of a step, weights and KV
-  of an operation) is the `speedup_profile`'s; without one, the device's link bandwidth (devices table).
+  of an operation) is the `speedup_profile`'s; without one, the device's link bandwidth (devices table). So
+  is the all-reduce line (a TP instance's two sums of hidden states a layer); without one, a hop's.
 """
 
 import json
@@ -76,6 +79,7 @@ class ExecutorSpec:
     latency: FittedLatency | RooflineLatency
     overhead: Line  # seconds of a step outside the decoder layers, over the tokens it computes
     hop: Line = Line(0.0, 0.0)  # seconds to move B bytes to another executor, over B
+    all_reduce: Line | None = None  # seconds to sum B bytes across a TP instance's members; None: a hop's
     swap_s: dict[str, float] = field(default_factory=dict)  # measured "quantize"/"restore" seconds per layer
     operation_s: dict[str, Line] = field(default_factory=dict)  # measured seconds of an operation, over its layers
 
@@ -151,12 +155,12 @@ def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, ba
             profile = SpeedupProfile.from_dict(_read_json(path, "speed-up profile"), str(path))
         except SpeedupProfileError as exc:
             raise FleetError(f"{where}: {exc}") from exc
-        overhead, hop = profile.step_overhead, profile.hop
+        overhead, hop, reduce = profile.step_overhead, profile.hop, profile.all_reduce
     elif device.modelled:
-        overhead, hop = lm_head_overhead(device, shape, dtype_bytes), Line(0.0, 1.0 / device.link)
+        overhead, hop, reduce = lm_head_overhead(device, shape, dtype_bytes), Line(0.0, 1.0 / device.link), None
     else:
         raise FleetError(f"{where}: {device.name} needs a speedup_profile for the rest of a step")
-    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead, hop)
+    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead, hop, all_reduce=reduce)
             for i in range(count)]
 
 
@@ -174,12 +178,21 @@ def _operation_lines(given: object, where: str) -> dict[str, Line]:
     return lines
 
 
+def _byte_line(given: object, where: str) -> Line:
+    numbers = [given.get(k) for k in ("intercept_s", "per_byte_s")] if isinstance(given, dict) else [None]
+    if set(given if isinstance(given, dict) else ()) != {"intercept_s", "per_byte_s"} or not all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in numbers):
+        raise FleetError(f"{where} must be {{\"intercept_s\": s, \"per_byte_s\": s}} with seconds >= 0, got {given!r}")
+    return Line(float(numbers[0]), float(numbers[1]))
+
+
 def read_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     data = _read_json(path, "fleet file")
     if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
         raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
-    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s", "world_size"}
+    unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s", "all_reduce_s",
+                           "world_size"}
     if unknown:
         raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
     name = data.get("model", "default")
@@ -196,6 +209,7 @@ def read_fleet(path: str | Path) -> Fleet:
             isinstance(v, (int, float)) and v >= 0 for v in swap.values()):
         raise FleetError(f"{path}: swap_s_per_layer takes quantize and restore seconds, got {swap!r}")
     operations = _operation_lines(data.get("operation_s", {}), str(path))
+    reduce = _byte_line(data["all_reduce_s"], f"{path}: all_reduce_s") if "all_reduce_s" in data else None
     world_size = data.get("world_size", 0)
     if "world_size" in data and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise FleetError(f"{path}: world_size must be a positive integer (executors per world), got {world_size!r}")
@@ -206,4 +220,5 @@ def read_fleet(path: str | Path) -> Fleet:
     if unmodelled and set(swap) != {"quantize", "restore"}:
         raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
                          f"swap_s_per_layer (quantize and restore, as measured there)")
-    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations) for s in specs], world_size)
+    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations,
+                                         all_reduce=reduce or s.all_reduce) for s in specs], world_size)

@@ -14,8 +14,8 @@ from (one that arrived merged to the member with the fewest blocks so far), refu
 cannot back them. Seconds: costs.operation_seconds over the model's layers and the KV heads that move.
 
 A step of the merged instance: each layer at 1/k of its time on one executor (its FFN and heads split k ways)
-plus two all-reduces of the batch's hidden states (after o_proj and after down_proj), each costed as a hop;
-then the rest of a step on the leader.
+plus two all-reduces of the batch's hidden states (after o_proj and after down_proj), each from the speed-up
+profile's all-reduce line (a hop where it has none); then the rest of a step on the leader.
 """
 
 import functools
@@ -108,9 +108,9 @@ class SimTpInstance:
 
     def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
         spec, k = self.leader.spec, self.plan.tp
-        hop = costs.hop_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes,
-                                                         sum(c.length for c in chunks)))
-        seconds = sum(layers * (costs.layer_seconds(spec, bits, chunks) / k + 2 * hop)
+        reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes,
+                                                                   sum(c.length for c in chunks)))
+        seconds = sum(layers * (costs.layer_seconds(spec, bits, chunks) / k + 2 * reduce)
                       for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers]))
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         return seconds, dict.fromkeys(self.members, seconds)

@@ -59,20 +59,21 @@ def test_profile_has_the_shape_the_controller_loads(profiled):
     # the tiny Llama 3: 4 layers, hidden 64, float32 on CPU
     assert (record["num_layers"], record["hidden_size"], record["dtype_bytes"]) == (4, 64, 4)
     assert set(record["layer"]) == {"intercept_s", "per_token_s"}
-    assert set(record["hop"]) == {"intercept_s", "per_byte_s"}
+    assert set(record["hop"]) == set(record["all_reduce"]) == {"intercept_s", "per_byte_s"}
     assert set(record["step_overhead"]) == {"intercept_s", "per_token_s"}
     assert [t for t, _ in record["samples"]["layer"]] == SIZES
     assert [t for t, _ in record["samples"]["step"]] == SIZES
     assert [b for b, _ in record["samples"]["hop"]] == [t * 64 * 4 for t in HOP_TOKENS]
+    assert [b for b, _ in record["samples"]["all_reduce"]] == [t * 64 * 4 for t in HOP_TOKENS]
 
 
 def test_fitted_costs_are_positive_and_never_fall(profiled):
     # The tiny model's layers are too small for their time to grow above the noise of a shared CPU from 1
     # to 32 sequences, so growth is only asked of the lines: no coefficient below zero, every cost above it.
     record, _, _ = profiled
-    for name in ("layer", "hop", "step_overhead"):
+    for name in ("layer", "hop", "all_reduce", "step_overhead"):
         assert all(value >= 0 for value in record[name].values()), (name, record[name])
-    assert all(seconds > 0 for _, seconds in record["samples"]["layer"] + record["samples"]["hop"])
+    assert all(seconds > 0 for name in ("layer", "hop", "all_reduce") for _, seconds in record["samples"][name])
     layer = Line(record["layer"]["intercept_s"], record["layer"]["per_token_s"])
     hop = Line(record["hop"]["intercept_s"], record["hop"]["per_byte_s"])
     assert 0 < layer.at(SIZES[0]) <= layer.at(SIZES[-1]) and 0 < hop.at(64) <= hop.at(64 * 4 * HOP_TOKENS[-1])
@@ -80,7 +81,8 @@ def test_fitted_costs_are_positive_and_never_fall(profiled):
 
 def test_each_line_is_the_fit_of_its_samples(profiled):
     record, _, _ = profiled
-    for name, slope in (("layer", "per_token_s"), ("hop", "per_byte_s"), ("step_overhead", "per_token_s")):
+    for name, slope in (("layer", "per_token_s"), ("hop", "per_byte_s"), ("all_reduce", "per_byte_s"),
+                        ("step_overhead", "per_token_s")):
         line = fit_line(record["samples"]["step" if name == "step_overhead" else name])
         assert (record[name]["intercept_s"], record[name][slope]) == (pytest.approx(line.intercept),
                                                                       pytest.approx(line.slope))
@@ -88,9 +90,10 @@ def test_each_line_is_the_fit_of_its_samples(profiled):
 
 def test_prints_a_table_and_writes_a_chart_beside_the_json(profiled):
     _, stdout, out = profiled
-    rows = [line.split() for line in stdout.splitlines()]
-    assert [int(r[0]) for r in rows if len(r) == 4 and r[0].isdigit()] == SIZES
-    assert "layer:" in stdout and "hop:" in stdout and "step overhead:" in stdout
+    batches, hops = stdout.split("hop µs")
+    assert [int(r[0]) for r in map(str.split, batches.splitlines()) if len(r) == 4 and r[0].isdigit()] == SIZES
+    assert [int(r[0]) for r in map(str.split, hops.splitlines()) if len(r) == 4 and r[0].isdigit()] == HOP_TOKENS
+    assert all(f"{name}:" in stdout for name in ("layer", "hop", "all-reduce", "step overhead"))
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -17,13 +17,14 @@ from services.controller.dispatch import sendable
 from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
 from services.simulator import run as simulate_cli
+from services.simulator import tp
 from services.monitor.aggregate import ClusterView
 from services.simulator.cluster import SimSettings, Simulation
 from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fidelity import compare
 from services.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
-from shared.messages import BatchArgs, EvictArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
+from shared.messages import BatchArgs, EvictArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, TpMergeArgs
 from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 
 PAGE = 737_280
@@ -32,9 +33,11 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_
 PREFILL_S, DECODE_S, OVERHEAD_S = 0.002, 0.001, 0.010  # per layer, per layer, per step
 
 
-def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float = 0.0, **engine) -> Path:
+def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float = 0.0, all_reduce_s: float | None = None,
+                **engine) -> Path:
     """A fleet of `count` cpu executors whose layer takes PREFILL_S for a step's prefill chunks and DECODE_S for
-    its decodes whatever their number and size, and whose step costs OVERHEAD_S more."""
+    its decodes whatever their number and size, and whose step costs OVERHEAD_S more; a hop takes `hop_s` and
+    an all-reduce `all_reduce_s` (without it, the profile has no all-reduce line)."""
     fitted = FittedLatency("cpu", SHAPE, {
         "prefill": {b: [PREFILL_S] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in (16, 8, 4)},
         "decode": {b: [DECODE_S] + [0.0] * (len(DECODE_FEATURES) - 1) for b in (16, 8, 4)}})
@@ -43,6 +46,8 @@ def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float =
                "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
                "hop": {"intercept_s": hop_s, "per_byte_s": 0.0},
                "step_overhead": {"intercept_s": OVERHEAD_S, "per_token_s": 0.0}}
+    if all_reduce_s is not None:
+        speedup["all_reduce"] = {"intercept_s": all_reduce_s, "per_byte_s": 0.0}
     (tmp_path / "speedup.json").write_text(json.dumps(speedup))
     fleet = {"model": "default",
              "executors": [{"device": "cpu", "count": count, "memory": pages * PAGE,
@@ -112,6 +117,7 @@ def test_the_fleet_file_is_checked(tmp_path):
                             ({"executors": [{"device": "H100-80GB", "count": 0}]}, "positive integer"),
                             ({"engine": {"max_num_seqs": -1}}, "non-negative"),
                             ({"world_size": 0}, "world_size must be a positive integer"),
+                            ({"all_reduce_s": {"intercept_s": -1, "per_byte_s": 0}}, "all_reduce_s must be"),
                             ({"gpus": 8}, "unknown field")):
         path = tmp_path / "broken.json"
         path.write_text(json.dumps(good | broken))
@@ -368,6 +374,24 @@ def test_a_request_no_executor_holds_waits_for_a_merge_whose_leader_alone_then_t
     splits = [e.data for e in run.events if e.kind == "command" and e.data["kind"] == "tp_split"]
     assert [s["ok"] for s in splits] == [True] and later.error is None
     assert sim.executors["exec1"].group is None and sim.executors["exec0"].kv_capacity() == 20
+
+
+@pytest.mark.parametrize("all_reduce_s, in_fleet, reduce_s", [(0.0007, None, 0.0007), (0.0007, 0.0009, 0.0009),
+                                                              (None, None, 0.0003)],
+                         ids=["the profile's", "the fleet's over the profile's", "a hop"])
+def test_a_tp_step_is_each_layer_split_k_ways_and_two_all_reduces_a_layer(tmp_path, all_reduce_s, in_fleet,
+                                                                           reduce_s):
+    path = write_fleet(tmp_path, pages=620, count=2, hop_s=0.0003, all_reduce_s=all_reduce_s)
+    if in_fleet is not None:
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"all_reduce_s": {"intercept_s": in_fleet,
+                                                                                    "per_byte_s": 0.0}}))
+    fleet = read_fleet(path)
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=())))
+    group, _, _ = tp.merge(sim.executors, TpMergeArgs(executors=["exec0", "exec1"], instance="tp-0"), 0.0)
+    sim.executors["exec0"].admit(SimRequest(0, 0.0, 20, 5), 0.0)
+    seconds, parts = group.step_seconds(sim.executors["exec0"].scheduler.schedule().chunks)
+    assert seconds == pytest.approx(30 * (PREFILL_S / 2 + 2 * reduce_s) + OVERHEAD_S)
+    assert parts == {"exec0": seconds, "exec1": seconds}
 
 
 def test_cocoserve_and_amoebas_run_end_to_end_on_the_cpu_bench_fleet(tmp_path, capsys):

@@ -40,6 +40,9 @@ def test_a_profile_as_the_profiler_writes_it_loads_and_its_extra_keys_are_ignore
     assert profile.layer_s(10) == pytest.approx(0.003 + 10 * 9e-05)
     assert profile.hop_s(10) == pytest.approx(0.00017 + 10 * 576 * 4 * 3e-10)  # t tokens of d values
     assert profile.overhead_s(10) == pytest.approx(0.04)
+    assert profile.all_reduce is None  # written before the profiler timed all-reduces
+    profile = SpeedupProfile.from_dict(profile_dict(all_reduce={"intercept_s": 0.0007, "per_byte_s": 1e-9}))
+    assert profile.all_reduce.at(1000) == pytest.approx(0.0007 + 1e-6)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -51,6 +54,7 @@ def test_a_profile_as_the_profiler_writes_it_loads_and_its_extra_keys_are_ignore
     (dict(layer={"intercept_s": 0.003}), "layer.per_token_s"),
     (dict(hop={"intercept_s": -1.0, "per_byte_s": 0.0}), "hop.intercept_s"),
     (dict(hop=[0.1, 0.2]), "hop"),
+    (dict(all_reduce={"intercept_s": 0.001}), "all_reduce.per_byte_s"),
     (dict(step_overhead={"intercept_s": float("nan"), "per_token_s": 0.0}), "step_overhead.intercept_s"),
     (dict(layer={"intercept_s": 0, "per_token_s": 0}), "layer"),
 ])

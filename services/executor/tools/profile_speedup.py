@@ -9,6 +9,9 @@ The model needs W(P), the compute of a replication strategy, and T(P), the hops 
 - hop: B bytes of hidden states (t tokens × hidden size × dtype bytes) moved between two executors the way
   the fabric moves them (a broadcast in the pair's gloo group, fabric/member.py), h0 + h1·B. Two processes
   join one world; half the median round trip is the hop.
+- all-reduce: the same B bytes summed across the pair (`dist.all_reduce` in its group), r0 + r1·B, the median
+  of as many rounds. A TP instance's layer does two (fabric/member.py: attention's and the FFN's outputs), and
+  over gloo one costs more than a hop: the simulator's TP step reads this line (simulator/tp.py).
 - step overhead: the rest of a whole engine step at t sequences (embedding, logits, sampling, scheduling,
   detokenizing), o0 + o1·t: a step's time less the time of its n layers, timed right after it on the same
   batch, the median over repeats (differences of paired timings: a neighbour's burst of work on the shared
@@ -24,8 +27,9 @@ loads it) with a PNG of the points and lines beside it:
 
   {"kind": "speedup-profile", "model", "device", "threads", "num_layers", "hidden_size", "dtype_bytes",
    "layer": {"intercept_s", "per_token_s"}, "hop": {"intercept_s", "per_byte_s"},
-   "step_overhead": {"intercept_s", "per_token_s"},
-   "samples": {"layer": [[tokens, s], ...], "hop": [[bytes, s], ...], "step": [[tokens, s], ...]},
+   "all_reduce": {"intercept_s", "per_byte_s"}, "step_overhead": {"intercept_s", "per_token_s"},
+   "samples": {"layer": [[tokens, s], ...], "hop": [[bytes, s], ...], "all_reduce": [[bytes, s], ...],
+               "step": [[tokens, s], ...]},
    "context_tokens", "repeats", "machine", "seconds", "date"}
 """
 
@@ -166,7 +170,7 @@ def measure_batches(engine: LLMEngine, sizes: Sequence[int], context: int, repea
 # --- hops: two processes in one world ----------------------------------------------------------------
 
 def _echo(url: str, token_counts: Sequence[int], hidden: int, dtype: torch.dtype, threads: int) -> None:
-    """Rank 1: return every tensor rank 0 sends, as many times as measure_hops sends it."""
+    """Rank 1: return every tensor rank 0 sends, and join every all-reduce, as many times as measure_hops."""
     torch.set_num_threads(threads)
     world = World.join(WorldSettings(url, 1, 2, WORLD_TIMEOUT_S), "exec1", "cpu")
     try:
@@ -178,14 +182,16 @@ def _echo(url: str, token_counts: Sequence[int], hidden: int, dtype: torch.dtype
                 for _ in range(HOP_WARMUP + HOP_ROUNDS):
                     dist.broadcast(buffer, 0, group=pair)
                     dist.broadcast(buffer, 1, group=pair)
+                for _ in range(HOP_WARMUP + HOP_ROUNDS):
+                    dist.all_reduce(buffer, group=pair)
     finally:
         world.close()
 
 
 def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, threads: int
-                 ) -> list[tuple[int, float]]:
-    """(bytes, seconds) of moving `tokens` rows of hidden states from one executor to another, for each count:
-    this process is rank 0 of a world of two, a spawned one rank 1."""
+                 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(bytes, seconds) of moving `tokens` rows of hidden states from one executor to another, and of summing
+    them across the two, for each count: this process is rank 0 of a world of two, a spawned one rank 1."""
     url = f"tcp://127.0.0.1:{free_port()}"
     echo = multiprocessing.get_context("spawn").Process(
         target=_echo, args=(url, list(token_counts), hidden, dtype, threads), daemon=True)
@@ -195,18 +201,24 @@ def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, t
         world = World.join(WorldSettings(url, 0, 2, WORLD_TIMEOUT_S), "exec0", "cpu")
         world.create_groups([])
         pair = world.group(("exec0", "exec1"))
-        samples = []
-        with checked("timing hidden-state hops between exec0 and exec1"):
+        hops, reduces = [], []
+        with checked("timing hidden-state hops and all-reduces between exec0 and exec1"):
             for tokens in token_counts:
                 rows = torch.randn(tokens, hidden).to(dtype)
-                trips = []
+                trips, sums = [], []
                 for _ in range(HOP_WARMUP + HOP_ROUNDS):
                     start = time.perf_counter()
                     dist.broadcast(rows, 0, group=pair)
                     dist.broadcast(rows, 1, group=pair)
                     trips.append(time.perf_counter() - start)
-                samples.append((rows.numel() * rows.element_size(), statistics.median(trips[HOP_WARMUP:]) / 2))
-        return samples
+                for _ in range(HOP_WARMUP + HOP_ROUNDS):
+                    start = time.perf_counter()
+                    dist.all_reduce(rows, group=pair)
+                    sums.append(time.perf_counter() - start)
+                size = rows.numel() * rows.element_size()
+                hops.append((size, statistics.median(trips[HOP_WARMUP:]) / 2))
+                reduces.append((size, statistics.median(sums[HOP_WARMUP:])))
+        return hops, reduces
     finally:
         if world is not None:
             world.close()
@@ -222,17 +234,20 @@ def coefficients(line: Line, per: str) -> dict:
 
 
 def speedup_profile(engine: LLMEngine, model: str, threads: int, context: int, repeats: int,
-                    batches: list[BatchTiming], hops: list[tuple[int, float]]) -> dict:
+                    batches: list[BatchTiming], hops: list[tuple[int, float]],
+                    reduces: list[tuple[int, float]]) -> dict:
     cfg = engine.model_config
     layer = [[b.tokens, b.layer_s] for b in batches]
     step = [[b.tokens, b.overhead_s] for b in batches]
     hop = [[size, seconds] for size, seconds in hops]
+    reduce = [[size, seconds] for size, seconds in reduces]
     return {"kind": "speedup-profile", "model": model, "device": engine.config.device, "threads": threads,
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "dtype_bytes": engine.model.embed_tokens.element_size(),
             "layer": coefficients(fit_line(layer), "token"), "hop": coefficients(fit_line(hop), "byte"),
+            "all_reduce": coefficients(fit_line(reduce), "byte"),
             "step_overhead": coefficients(fit_line(step), "token"),
-            "samples": {"layer": layer, "hop": hop, "step": step},
+            "samples": {"layer": layer, "hop": hop, "all_reduce": reduce, "step": step},
             "context_tokens": context, "repeats": repeats,
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "cpus": len(os.sched_getaffinity(0))},
@@ -248,8 +263,10 @@ def plot(record: dict, out: Path) -> None:
     # (samples, fitted line, its slope, title, x unit and its scale from the samples' x, y unit and its scale)
     panels = [("layer", "layer", "per_token_s", "one decoder layer", "token", 1.0, "ms", 1e3),
               ("hop", "hop", "per_byte_s", "one hop of hidden states", "KiB", 1 / 1024, "µs", 1e6),
+              ("all_reduce", "all_reduce", "per_byte_s", "one all-reduce of hidden states", "KiB", 1 / 1024, "µs",
+               1e6),
               ("step", "step_overhead", "per_token_s", "step overhead (step − n·layer)", "token", 1.0, "ms", 1e3)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     for ax, (name, fitted, slope, title, x_unit, x_scale, y_unit, y_scale) in zip(axes, panels):
         xs = [p[0] for p in record["samples"][name]]
         ax.plot([x * x_scale for x in xs], [p[1] * y_scale for p in record["samples"][name]], "o", label="measured")
@@ -310,15 +327,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"{b.tokens:>6} {b.layer_s * 1e3:>9.3f} {b.step_s * 1e3:>9.2f} {b.overhead_s * 1e3:>12.2f}",
         flush=True))
     dtype = engine.model.embed_tokens.dtype
-    hops = measure_hops(args.hop_tokens, cfg.hidden_size, dtype, args.threads)
-    print(f"{'tokens':>6} {'bytes':>9} {'hop µs':>9}")
-    for tokens, (size, seconds) in zip(args.hop_tokens, hops):
-        print(f"{tokens:>6} {size:>9} {seconds * 1e6:>9.1f}")
-    record = speedup_profile(engine, args.model, args.threads, args.context, args.repeats, batches, hops)
+    hops, reduces = measure_hops(args.hop_tokens, cfg.hidden_size, dtype, args.threads)
+    print(f"{'tokens':>6} {'bytes':>9} {'hop µs':>9} {'all-reduce µs':>14}")
+    for tokens, (size, seconds), (_, summed) in zip(args.hop_tokens, hops, reduces):
+        print(f"{tokens:>6} {size:>9} {seconds * 1e6:>9.1f} {summed * 1e6:>14.1f}")
+    record = speedup_profile(engine, args.model, args.threads, args.context, args.repeats, batches, hops, reduces)
     record["seconds"] = round(time.perf_counter() - started, 1)
-    layer, hop, overhead = record["layer"], record["hop"], record["step_overhead"]
+    layer, hop, overhead, reduce = record["layer"], record["hop"], record["step_overhead"], record["all_reduce"]
     print(f"layer:         {layer['intercept_s'] * 1e3:.4f} ms + {layer['per_token_s'] * 1e3:.4f} ms/token\n"
           f"hop:           {hop['intercept_s'] * 1e6:.2f} µs + {hop['per_byte_s'] * 1e9:.4f} ns/byte\n"
+          f"all-reduce:    {reduce['intercept_s'] * 1e6:.2f} µs + {reduce['per_byte_s'] * 1e9:.4f} ns/byte\n"
           f"step overhead: {overhead['intercept_s'] * 1e3:.4f} ms + {overhead['per_token_s'] * 1e3:.4f} ms/token")
     write_json(args.out, record)
     plot(record, args.out.with_suffix(".png"))

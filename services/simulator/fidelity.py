@@ -1,6 +1,7 @@
 """How well a simulation predicts a measured run: the same modes and windows of `morphling bench`'s
-results.json against `morphling simulate`'s, key by key; and, on a GPU, the decode steps of `morphling
-bench-engine --device cuda` against the fleet's cost model (costs.step_seconds).
+results.json against `morphling simulate`'s, key by key; on a GPU, the decode steps of `morphling
+bench-engine --device cuda` against the fleet's cost model (costs.step_seconds); and the steps of `morphling
+bench-amoebas`, alone and merged TP2, against the same model and a merged instance's (tp.py).
 
 The error of a prediction is (predicted - measured) / measured, signed, so that a reader sees which way the
 model leans; a mode's summary is the mean of the absolute errors over its windows. The controller's actions
@@ -12,9 +13,13 @@ from collections import Counter
 
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.executor.engine.scheduling.sequence import Sequence
+from services.simulator import tp
 from services.simulator.costs import step_seconds
-from services.simulator.fleet import ExecutorSpec
+from services.simulator.executor import SimExecutor
+from services.simulator.fleet import ExecutorSpec, Fleet
+from shared.messages import TpMergeArgs
 from shared.planner.memory import FULL_BITS
+from shared.plans import alone
 from shared.sampling import SamplingOptions
 
 KEYS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p99", "slo_violation_pct")
@@ -65,6 +70,13 @@ def print_fidelity(table: dict) -> None:
                 + f"; actions {w['actions']['measured'] or '{}'} -> {w['actions']['predicted'] or '{}'}")
 
 
+def decodes(batch: int, context: int) -> list[ScheduledChunk]:
+    """A step of `batch` decodes, each of a sequence whose prompt is done, its new token reading `context`
+    tokens of KV."""
+    return [ScheduledChunk(Sequence(f"step-{k}", 0, [0] * (context - 1), SamplingOptions(), 0.0), context - 1, 1)
+            for k in range(batch)]
+
+
 def decode_steps(spec: ExecutorSpec, num_layers: int, measured: dict) -> list[dict]:
     """Each decode row of a `morphling bench-engine --device cuda` result (executor/tools/bench_gpu.py): the
     step it measured, replayed from graphs, against step_seconds of that batch at its mean context with every
@@ -73,10 +85,7 @@ def decode_steps(spec: ExecutorSpec, num_layers: int, measured: dict) -> list[di
     for row in measured["decode"]["rows"]:
         batch = row["batch"]
         context = max(1, round(row["kv_tokens_mean"] / batch))  # the bench counts the batch's KV tokens in all
-        # A decode of a sequence whose prompt is done: its one new token reads `context` tokens of KV.
-        chunks = [ScheduledChunk(Sequence(f"step-{k}", 0, [0] * (context - 1), SamplingOptions(), 0.0), context - 1, 1)
-                  for k in range(batch)]
-        predicted = step_seconds(spec, [FULL_BITS] * num_layers, chunks)
+        predicted = step_seconds(spec, [FULL_BITS] * num_layers, decodes(batch, context))
         rows.append({"batch": batch, "context": context, "measured_ms": row["ours_step_ms"],
                      "predicted_ms": predicted * 1e3,
                      "error": relative_error(predicted * 1e3, row["ours_step_ms"])})
@@ -89,4 +98,34 @@ def print_decode_steps(rows: list[dict], spec: ExecutorSpec, measured: dict) -> 
     print(f"{'batch':>5} {'context':>7} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['measured_ms']:>11.2f} {r['predicted_ms']:>12.2f} "
+              f"{100 * r['error']:>6.0f}%")
+
+
+def tp_steps(fleet: Fleet, measured: dict) -> list[dict]:
+    """The three phases of a `morphling bench-amoebas` result (executor/tools/bench_amoebas.py) against the
+    fleet's first two executors: each alone over its `requests` sequences, then merged TP2 over both's, then
+    alone again, `steps` timed steps a phase after prompts of `prompt_tokens`; each phase at its mean context."""
+    config, measured_ms = measured["config"], measured["summary"]["step_ms"]
+    batch, steps = config["requests"], config["steps"]
+    members = {s.id: SimExecutor(s, fleet, in_world=True) for s in fleet.executors[:2]}
+    for name, member in members.items():  # one world, each its own TP1 instance, as `up` starts them
+        member.world, member.plan = list(members), alone(name, fleet.shape.num_layers, FULL_BITS)
+    merged, _, _ = tp.merge(members, TpMergeArgs(executors=list(members), instance="tp2"), 0.0)
+    leader = next(iter(members.values()))
+    rows = []
+    for phase_index, (phase, sequences) in enumerate((("alone", batch), ("merged", 2 * batch), ("after", batch))):
+        context = config["prompt_tokens"] + phase_index * steps + steps // 2
+        chunks = decodes(sequences, context)
+        predicted = (merged.step_seconds(chunks)[0] if phase == "merged"
+                     else step_seconds(leader.spec, [FULL_BITS] * fleet.shape.num_layers, chunks))
+        rows.append({"phase": phase, "batch": sequences, "context": context, "measured_ms": measured_ms[phase],
+                     "predicted_ms": predicted * 1e3, "error": relative_error(predicted * 1e3, measured_ms[phase])})
+    return rows
+
+
+def print_tp_steps(rows: list[dict]) -> None:
+    print("steps alone and merged TP2: measured by bench-amoebas, predicted from the fleet's profiles")
+    print(f"{'phase':>6} {'batch':>5} {'context':>7} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
+    for r in rows:
+        print(f"{r['phase']:>6} {r['batch']:>5} {r['context']:>7} {r['measured_ms']:>11.1f} {r['predicted_ms']:>12.1f} "
               f"{100 * r['error']:>6.0f}%")

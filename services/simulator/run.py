@@ -39,7 +39,8 @@ from services.bench.report import comparison, mode_summary, print_table, window_
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation
-from services.simulator.fidelity import compare, decode_steps, print_decode_steps, print_fidelity
+from services.simulator.fidelity import (compare, decode_steps, print_decode_steps, print_fidelity, print_tp_steps,
+                                        tp_steps)
 from services.simulator.fleet import Fleet, FleetError, read_fleet
 from shared.config import ControllerConfig, MonitorConfig, data_dir
 from shared.provenance import provenance
@@ -83,6 +84,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--compare-steps", type=Path,
                     help="instead, a `morphling bench-engine --device cuda` JSON: the fleet's predicted decode steps "
                          "against the ones it measured (written to steps.json in --out)")
+    ap.add_argument("--compare-tp", type=Path,
+                    help="instead, a `morphling bench-amoebas` JSON: the fleet's predicted steps alone and merged TP2 "
+                         "against the ones it measured (written to tp_steps.json in --out)")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -98,6 +102,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--compare-steps {args.compare_steps}: not a `morphling bench-engine --device cuda` result "
                      f"with decode rows ({e})")
+    if args.compare_tp is not None:
+        try:
+            args.measured_tp = json.loads(args.compare_tp.read_text())
+            if not ({"requests", "prompt_tokens", "steps"} <= set(args.measured_tp["config"])
+                    and {"alone", "merged", "after"} <= set(args.measured_tp["summary"]["step_ms"])):
+                raise ValueError("no config of requests, prompt_tokens and steps, or no step_ms alone, merged, after")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--compare-tp {args.compare_tp}: not a `morphling bench-amoebas` result ({e})")
     if args.compare is not None:
         try:
             args.measured = json.loads(args.compare.read_text())
@@ -211,12 +223,24 @@ def compare_steps(fleet: Fleet, args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_tp(fleet: Fleet, args: argparse.Namespace) -> int:
+    rows = tp_steps(fleet, args.measured_tp)
+    print_tp_steps(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"steps": rows, "measured": str(args.compare_tp), **provenance(args, skip=("measured_tp",))}
+    (args.out / "tp_steps.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {args.out / 'tp_steps.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         fleet = read_fleet(args.fleet)
         if args.compare_steps is not None:
             return compare_steps(fleet, args)
+        if args.compare_tp is not None:
+            return compare_tp(fleet, args)
         rows = read_rows(args.trace)
         windows = pick_windows(rows, args.window_s, args.busy, args.ordinary)
     except (FleetError, TraceError) as e:

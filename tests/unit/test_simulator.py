@@ -293,6 +293,28 @@ def test_compare_steps_sets_the_fleets_decode_step_against_a_measured_engine_ben
     assert exc.value.code == 2 and "not a `morphling bench-engine --device cuda` result" in capsys.readouterr().err
 
 
+def test_compare_tp_sets_steps_alone_and_merged_against_a_measured_amoebas_bench(tmp_path, capsys):
+    """Alone, 30 layers of DECODE_S and OVERHEAD_S make 40 ms; merged TP2, each layer's half and two all-reduces
+    of 0.5 ms: 30 * (0.5 + 1) + 10 = 55 ms."""
+    measured = tmp_path / "amoebas_transform.json"
+    measured.write_text(json.dumps({"config": {"requests": 4, "prompt_tokens": 100, "steps": 6},
+                                    "summary": {"step_ms": {"alone": 50.0, "merged": 55.0, "after": 40.0}}}))
+    out = tmp_path / "tp"
+    fleet = write_fleet(tmp_path, pages=620, count=2, all_reduce_s=0.0005)
+    argv = ["--fleet", str(fleet), "--compare-tp", str(measured), "--out", str(out)]
+    assert simulate_cli.main(argv) == 0
+    steps = json.loads((out / "tp_steps.json").read_text())["steps"]
+    assert [(s["phase"], s["batch"], s["context"]) for s in steps] == [("alone", 4, 103), ("merged", 8, 109),
+                                                                      ("after", 4, 115)]
+    assert [s["predicted_ms"] for s in steps] == pytest.approx([40.0, 55.0, 40.0])
+    assert [s["error"] for s in steps] == pytest.approx([-0.2, 0.0, 0.0])
+    assert "merged" in capsys.readouterr().out
+    measured.write_text(json.dumps({"config": {"requests": 4}, "summary": {}}))
+    with pytest.raises(SystemExit) as exc:
+        simulate_cli.parse_args(argv)
+    assert exc.value.code == 2 and "not a `morphling bench-amoebas` result" in capsys.readouterr().err
+
+
 def test_copies_multiply_the_volume_and_keep_every_burst_in_place():
     window = [TraceRequest(0.0, 10, 2), TraceRequest(0.1, 11, 3), TraceRequest(4.0, 12, 4)]
     played = simulate_cli.superposed(window, 4)

@@ -16,7 +16,7 @@ from services.executor.engine.scheduling.sequence import Sequence
 from services.simulator import tp
 from services.simulator.costs import step_seconds
 from services.simulator.executor import SimExecutor
-from services.simulator.fleet import ExecutorSpec, Fleet
+from services.simulator.fleet import ExecutorSpec, Fleet, FleetError
 from shared.messages import TpMergeArgs
 from shared.planner.memory import FULL_BITS
 from shared.plans import alone
@@ -107,6 +107,8 @@ def tp_steps(fleet: Fleet, measured: dict) -> list[dict]:
     alone again, `steps` timed steps a phase after prompts of `prompt_tokens`; each phase at its mean context."""
     config, measured_ms = measured["config"], measured["summary"]["step_ms"]
     batch, steps = config["requests"], config["steps"]
+    if len(fleet.executors) < 2:
+        raise FleetError(f"a TP2 merge takes two executors, and the fleet has {len(fleet.executors)}")
     members = {s.id: SimExecutor(s, fleet, in_world=True) for s in fleet.executors[:2]}
     for name, member in members.items():  # one world, each its own TP1 instance, as `up` starts them
         member.world, member.plan = list(members), alone(name, fleet.shape.num_layers, FULL_BITS)

@@ -309,6 +309,8 @@ def test_compare_tp_sets_steps_alone_and_merged_against_a_measured_amoebas_bench
     assert [s["predicted_ms"] for s in steps] == pytest.approx([40.0, 55.0, 40.0])
     assert [s["error"] for s in steps] == pytest.approx([-0.2, 0.0, 0.0])
     assert "merged" in capsys.readouterr().out
+    argv[1] = str(write_fleet(tmp_path, pages=620, count=1))
+    assert simulate_cli.main(argv) == 2 and "takes two executors" in capsys.readouterr().err
     measured.write_text(json.dumps({"config": {"requests": 4}, "summary": {}}))
     with pytest.raises(SystemExit) as exc:
         simulate_cli.parse_args(argv)

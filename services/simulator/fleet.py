@@ -167,22 +167,14 @@ def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, ba
 def _operation_lines(given: object, where: str) -> dict[str, Line]:
     if not isinstance(given, dict) or set(given) - set(OPERATIONS):
         raise FleetError(f"{where}: operation_s takes lines for {', '.join(OPERATIONS)}, got {given!r}")
-    lines = {}
-    for name, line in given.items():
-        numbers = [line.get(k) for k in ("intercept_s", "per_layer_s")] if isinstance(line, dict) else [None]
-        if set(line if isinstance(line, dict) else ()) != {"intercept_s", "per_layer_s"} or not all(
-                isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in numbers):
-            raise FleetError(f"{where}: operation_s.{name} must be {{\"intercept_s\": s, \"per_layer_s\": s}} "
-                             f"with seconds >= 0, got {line!r}")
-        lines[name] = Line(float(numbers[0]), float(numbers[1]))
-    return lines
+    return {name: _line(line, "per_layer_s", f"{where}: operation_s.{name}") for name, line in given.items()}
 
 
-def _byte_line(given: object, where: str) -> Line:
-    numbers = [given.get(k) for k in ("intercept_s", "per_byte_s")] if isinstance(given, dict) else [None]
-    if set(given if isinstance(given, dict) else ()) != {"intercept_s", "per_byte_s"} or not all(
+def _line(given: object, slope: str, where: str) -> Line:
+    numbers = [given.get(k) for k in ("intercept_s", slope)] if isinstance(given, dict) else [None]
+    if set(given if isinstance(given, dict) else ()) != {"intercept_s", slope} or not all(
             isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in numbers):
-        raise FleetError(f"{where} must be {{\"intercept_s\": s, \"per_byte_s\": s}} with seconds >= 0, got {given!r}")
+        raise FleetError(f"{where} must be {{\"intercept_s\": s, \"{slope}\": s}} with seconds >= 0, got {given!r}")
     return Line(float(numbers[0]), float(numbers[1]))
 
 
@@ -209,7 +201,7 @@ def read_fleet(path: str | Path) -> Fleet:
             isinstance(v, (int, float)) and v >= 0 for v in swap.values()):
         raise FleetError(f"{path}: swap_s_per_layer takes quantize and restore seconds, got {swap!r}")
     operations = _operation_lines(data.get("operation_s", {}), str(path))
-    reduce = _byte_line(data["all_reduce_s"], f"{path}: all_reduce_s") if "all_reduce_s" in data else None
+    reduce = _line(data["all_reduce_s"], "per_byte_s", f"{path}: all_reduce_s") if "all_reduce_s" in data else None
     world_size = data.get("world_size", 0)
     if "world_size" in data and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise FleetError(f"{path}: world_size must be a positive integer (executors per world), got {world_size!r}")

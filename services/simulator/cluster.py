@@ -55,8 +55,8 @@ from services.simulator.fleet import Fleet
 from services.simulator.instance import SimInstance
 from services.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs, pressure_events
-from shared.plans import alone, parse_plans
+from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs
+from shared.plans import parse_plans
 
 MODEL = "simulated"
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
@@ -126,8 +126,7 @@ class Simulation:
         num_layers = self.fleet.shape.num_layers
         for names in self.worlds:
             for name in names:
-                self.executors[name].world = names
-                self.executors[name].plan = alone(name, num_layers, self.settings.static_bits)
+                self.executors[name].join_world(names, self.settings.static_bits)
         if not self.settings.spare or not self.worlds:
             return
         if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):
@@ -274,9 +273,7 @@ class Simulation:
 
     def _after_pressure(self, name: str) -> None:
         """A step or a refusal that raised the pressure events: report at once, and say so on the stream."""
-        e = self.executors[name]
-        count = pressure_events(e.scheduler.num_preemptions, e.scheduler.num_admission_blocked, e.rejected)
-        if count <= self._published.get(name, 0):
+        if self.executors[name].pressure_events() <= self._published.get(name, 0):
             return
         self._report(name, False)
         if self.now - self._pressure_sent.get(name, float("-inf")) >= PRESSURE_EVENT_EVERY_S:
@@ -298,10 +295,8 @@ class Simulation:
         """Whether the monitor's next tick would take this periodic report's successor instead, and nothing else
         reads it: it shows no new pressure (the arrival's only judgement) and its finished requests ride on the
         next one. Left unbuilt, it was half of a thousand-executor run's reports at 10 Hz to 5 states a second."""
-        e = self.executors[name]
-        pressure = pressure_events(e.scheduler.num_preemptions, e.scheduler.num_admission_blocked, e.rejected)
         return (self.now + self.settings.telemetry_interval_s < self._next_tick
-                and pressure <= self._published.get(name, 0))
+                and self.executors[name].pressure_events() <= self._published.get(name, 0))
 
     def _build_report(self, name: str) -> bool:
         """Report now; True when the report shows new pressure."""

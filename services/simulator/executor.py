@@ -49,9 +49,10 @@ from shared.messages import (
     ReplicateArgs,
     RestoreArgs,
     TpSplitArgs,
+    pressure_events,
 )
 from shared.planner.memory import FULL_BITS, weight_bytes
-from shared.plans import alone_id
+from shared.plans import alone, alone_id
 from shared.sampling import SamplingOptions
 
 LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
@@ -123,6 +124,15 @@ class SimExecutor(MemberArena):
         self.units_key: tuple | None = None  # what they were computed from
         if static_bits != FULL_BITS:
             self.set_bits(list(range(self.shape.num_layers)), static_bits)
+
+    def join_world(self, names: list[str], bits: int) -> None:
+        """One of the executors `names`, which can merge with each other, serving alone at `bits` as its own
+        TP1 instance (as `up` starts them)."""
+        self.world, self.plan = names, alone(self.id, self.shape.num_layers, bits)
+
+    def pressure_events(self) -> int:
+        """What its next report's pressure_events will be (shared/messages.py)."""
+        return pressure_events(self.scheduler.num_preemptions, self.scheduler.num_admission_blocked, self.rejected)
 
     # --- requests -------------------------------------------------------------------------------
     def admit(self, request: SimRequest, now: float) -> None:

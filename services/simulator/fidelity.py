@@ -19,7 +19,6 @@ from services.simulator.executor import SimExecutor
 from services.simulator.fleet import ExecutorSpec, Fleet, FleetError
 from shared.messages import TpMergeArgs
 from shared.planner.memory import FULL_BITS
-from shared.plans import alone
 from shared.sampling import SamplingOptions
 
 KEYS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p99", "slo_violation_pct")
@@ -110,8 +109,8 @@ def tp_steps(fleet: Fleet, measured: dict) -> list[dict]:
     if len(fleet.executors) < 2:
         raise FleetError(f"a TP2 merge takes two executors, and the fleet has {len(fleet.executors)}")
     members = {s.id: SimExecutor(s, fleet, in_world=True) for s in fleet.executors[:2]}
-    for name, member in members.items():  # one world, each its own TP1 instance, as `up` starts them
-        member.world, member.plan = list(members), alone(name, fleet.shape.num_layers, FULL_BITS)
+    for member in members.values():
+        member.join_world(list(members), FULL_BITS)
     merged, _, _ = tp.merge(members, TpMergeArgs(executors=list(members), instance="tp2"), 0.0)
     leader = next(iter(members.values()))
     rows = []

@@ -188,6 +188,16 @@ def _echo(url: str, token_counts: Sequence[int], hidden: int, dtype: torch.dtype
         world.close()
 
 
+def median_round(run: Callable[[], object]) -> float:
+    """The median seconds of `run` over HOP_ROUNDS rounds after HOP_WARMUP."""
+    seconds = []
+    for _ in range(HOP_WARMUP + HOP_ROUNDS):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[HOP_WARMUP:])
+
+
 def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, threads: int
                  ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """(bytes, seconds) of moving `tokens` rows of hidden states from one executor to another, and of summing
@@ -205,19 +215,10 @@ def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, t
         with checked("timing hidden-state hops and all-reduces between exec0 and exec1"):
             for tokens in token_counts:
                 rows = torch.randn(tokens, hidden).to(dtype)
-                trips, sums = [], []
-                for _ in range(HOP_WARMUP + HOP_ROUNDS):
-                    start = time.perf_counter()
-                    dist.broadcast(rows, 0, group=pair)
-                    dist.broadcast(rows, 1, group=pair)
-                    trips.append(time.perf_counter() - start)
-                for _ in range(HOP_WARMUP + HOP_ROUNDS):
-                    start = time.perf_counter()
-                    dist.all_reduce(rows, group=pair)
-                    sums.append(time.perf_counter() - start)
                 size = rows.numel() * rows.element_size()
-                hops.append((size, statistics.median(trips[HOP_WARMUP:]) / 2))
-                reduces.append((size, statistics.median(sums[HOP_WARMUP:])))
+                trip = median_round(lambda: (dist.broadcast(rows, 0, group=pair), dist.broadcast(rows, 1, group=pair)))
+                hops.append((size, trip / 2))
+                reduces.append((size, median_round(lambda: dist.all_reduce(rows, group=pair))))
         return hops, reduces
     finally:
         if world is not None:

@@ -98,6 +98,15 @@ class BusyWindow:
             self._started = None
             self._forget_before(end - self.window_s)
 
+    def back_to_back(self, ends: list[float]) -> None:
+        """end(t) then begin(t) at each of `ends` in order: spans back to back (the simulator's decode runs)."""
+        with self._lock:
+            for end in ends:
+                self._spans.append((self._started, end))
+                self._total += end - self._started
+                self._started = end
+                self._forget_before(end - self.window_s)
+
     @contextmanager
     def measuring(self) -> Iterator[None]:
         self.begin()

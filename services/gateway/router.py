@@ -9,6 +9,7 @@ report telemetry too, but a request sent to one would find nobody to take it, so
 candidates. An executor without a plan is a standalone one and leads itself.
 """
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,6 +26,7 @@ class Sent:
 
 
 NOTHING_SENT = Sent()
+NONE_SENT: Mapping[str, Sent] = MappingProxyType({})
 
 
 class Unreported:
@@ -36,6 +38,7 @@ class Unreported:
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[float, int]]] = {}  # executor -> (sent at, its prompt's pages)
         self._totals: dict[str, Sent] = {}  # what view() shows, kept as sending goes: it is asked per request
+        self._view = MappingProxyType(self._totals)  # one per state: the router keeps its heap while it grows
 
     def add(self, executor: str, sent_at: float, pages: int) -> None:
         self._sent.setdefault(executor, []).append((sent_at, pages))
@@ -49,9 +52,11 @@ class Unreported:
         self._sent = {name: kept for name, sent in self._sent.items() if name in reported
                       and (kept := [(t, pages) for t, pages in sent if t > reported[name]])}
         self._totals = {name: Sent(len(sent), sum(pages for _, pages in sent)) for name, sent in self._sent.items()}
+        self._view = MappingProxyType(self._totals)
 
     def view(self) -> Mapping[str, Sent]:
-        return MappingProxyType(self._totals)
+        """What was sent each executor, live: the same mapping, only growing, until the next forget_reported."""
+        return self._view
 
 
 def serving(state: ClusterState | None, model: str | None = None) -> list[ExecutorState]:
@@ -76,7 +81,7 @@ def choose_executor(state: ClusterState | None, exclude: set[str], model: str, s
     AMOEBAs' baselines order the candidates otherwise: "rr" round-robin from the `turn`-th, "llf" the fewest
     requests running and waiting first. `unreported`: what the caller sent each executor that `state` does not
     show yet (Unreported.view()), counted as queued there."""
-    sent = unreported or {}
+    sent = unreported if unreported is not None else NONE_SENT
     if strategy not in ("rr", "llf"):
         return _least_loaded(state, exclude, model, sent)
     candidates = sorted((e for e in serving(state, model) if e.executor not in exclude), key=lambda e: e.executor)
@@ -89,42 +94,58 @@ def choose_executor(state: ClusterState | None, exclude: set[str], model: str, s
                                           + sent.get(e.executor, NOTHING_SENT).requests, e.executor)).executor
 
 
-def _load(e: ExecutorState, sent: Sent) -> tuple:
-    return e.suspect, e.telemetry.waiting + sent.requests, kv_in_use(e, sent.pages), e.executor
-
-
 def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sent: Mapping[str, Sent]) -> str | None:
-    """The default order without weighing every executor per request. Sending only raises an executor's load,
-    so the least loaded is the better of those sent to and the first of the state's order that was not: a
-    gateway routing hundreds of requests a second over a thousand executors walks a few of them, not all."""
-    ordered, by_name = _by_load(state, model)
-    best = min((_load(by_name[name], s) for name, s in sent.items() if name in by_name and name not in exclude),
-               default=None)
-    for e in ordered:
-        if e.executor not in sent and e.executor not in exclude:
-            untouched = _load(e, NOTHING_SENT)
-            best = untouched if best is None else min(best, untouched)
+    """The default order without weighing every executor per request: a gateway routing hundreds of requests a
+    second over a thousand executors had walked the hundreds sent to since the last state, per request. Sending
+    only raises an executor's load, so a heap of loads weighed earlier is weighed again only at its top: there a
+    load weighed before the latest send is stale, and one still current is the least of all."""
+    heap, reported = _loads(state, model, sent)
+    skipped, best = [], None
+    while heap:
+        load, counted = heap[0]
+        name = load[-1]
+        if (now := sent.get(name, NOTHING_SENT)) != counted:
+            heapq.heapreplace(heap, (_weigh(*reported[name], name, now), now))
+        elif name in exclude:
+            skipped.append(heapq.heappop(heap))
+        else:
+            best = name
             break
-    return None if best is None else best[-1]
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return best
 
 
-# [state, model, its serving executors by load, and by name]: one state is routed on at a time
-_order_cache: list = [None, None, [], {}]
+# [state, model, what was sent, a heap of (load, what was sent when weighed), what each reported (suspect, queue,
+# KV pages used, free) by id]: one state is routed on at a time, and what was sent only grows while it is the
+# same mapping (Unreported.view)
+_order_cache: list = [None, None, None, [], {}]
 
 
-def _by_load(state: ClusterState | None, model: str) -> tuple[list[ExecutorState], dict[str, ExecutorState]]:
-    if _order_cache[0] is not state or _order_cache[1] != model:
-        candidates = serving(state, model)
-        _order_cache[:] = [state, model, sorted(candidates, key=lambda e: _load(e, NOTHING_SENT)),
-                           {e.executor: e for e in candidates}]
-    return _order_cache[2], _order_cache[3]
+def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> tuple[list, dict[str, tuple]]:
+    if _order_cache[0] is not state or _order_cache[1] != model or _order_cache[2] is not sent:
+        reported = {e.executor: (e.suspect, e.telemetry.waiting, e.telemetry.kv.pages_used, e.telemetry.kv.pages_free)
+                    for e in serving(state, model)}
+        heap = [(_weigh(*r, name, now), now) for name, r in reported.items()
+                for now in [sent.get(name, NOTHING_SENT)]]
+        heapq.heapify(heap)
+        _order_cache[:] = [state, model, sent, heap, reported]
+    return _order_cache[3], _order_cache[4]
+
+
+def _weigh(suspect: bool, waiting: int, used: int, free: int, name: str, sent: Sent) -> tuple:
+    """The order of choice: a suspect of a stall last, then the shortest queue, the least KV in use, the lowest id."""
+    return suspect, waiting + sent.requests, _kv_share(used, free, sent.pages), name
 
 
 def kv_in_use(e: ExecutorState, pending_pages: int = 0) -> float:
     """The share of its KV pages in use, counting `pending_pages` more (prompts sent it since it reported)."""
-    kv = e.telemetry.kv
-    total = kv.pages_used + kv.pages_free
-    return (kv.pages_used + pending_pages) / total if total else 1.0
+    return _kv_share(e.telemetry.kv.pages_used, e.telemetry.kv.pages_free, pending_pages)
+
+
+def _kv_share(used: int, free: int, pending: int) -> float:
+    total = used + free
+    return (used + pending) / total if total else 1.0
 
 
 def prompt_pages(prompt_tokens: int, block_size: int) -> int:

@@ -72,6 +72,7 @@ class SimSettings:
     bus_latency_s: float = 0.001
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
     spare: bool = False  # instances of two, every layer on the first (bench/modes.py's spare plan)
+    decode_runs: bool = True  # decode-only batches advanced many steps at once (decode_run.py): the same results
 
 
 @dataclass
@@ -92,8 +93,8 @@ class Simulation:
         self.fleet, self.settings = fleet, settings
         self.worlds = [world for world in fleet.worlds() if len(world) > 1]
         in_world = {name for world in self.worlds for name in world}
-        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world)
-                          for s in fleet.executors}
+        self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world,
+                                            decode_runs=settings.decode_runs) for s in fleet.executors}
         self._form_worlds()
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
@@ -199,15 +200,16 @@ class Simulation:
         finally:
             if collecting:
                 gc.enable()
-        if not waiting:
+        if not waiting or self._open:  # the drain's end comes: what is still open is cancelled then, not earlier
             self.now = max(self.now, until)
 
     def _cancel(self, request: SimRequest) -> None:
         """The client gave up on `request`: its executor drops it; one still waiting for a merge is dropped when
         the merge room hands it back (arrive, admit_on)."""
         key = str(request.index)
-        for executor in self.executors.values():
+        for name, executor in self.executors.items():
             if key in executor.requests:
+                self._cut(name)
                 executor.cancel(key)
                 return
 
@@ -227,6 +229,7 @@ class Simulation:
                 self.merges.make_room(request)
                 return
             self.unreported.add(name, self.now, prompt_pages(request.prompt_tokens, self.fleet.engine.block_size))
+            self._cut(name)
             self._kick(name)
             return
         self.fail(request, "no executor could take it (queues full or none serving)")
@@ -246,6 +249,7 @@ class Simulation:
         except (QueueFullError, KvCapacityError) as exc:
             self.fail(request, f"refused after the merge that was to hold it: {exc}")
             return
+        self._cut(name)
         self._kick(name)
 
     def send(self, name: str, commands: list[PlannedCommand]) -> None:
@@ -256,12 +260,21 @@ class Simulation:
         """Start a step on an idle executor that has work."""
         if name in self._stepping or name in self._blocked:
             return
-        seconds = self.executors[name].start_step(self.now)
-        if seconds is not None:
+        executor = self.executors[name]
+        if (ends := executor.start_step(self.now)) is not None:
             self._stepping.add(name)
-            self.at(self.now + seconds, self._step_end, name)
+            self.at(ends, self._step_end, name, executor.step_serial)
 
-    def _step_end(self, name: str) -> None:
+    def _cut(self, name: str) -> None:
+        """An arrival, a command or a cancel changes what `name`'s next step schedules: a decode run it is in ends
+        with the step in flight."""
+        executor = self.executors[name]
+        if (ends := executor.cut(self.now)) is not None:
+            self.at(ends, self._step_end, name, executor.step_serial)
+
+    def _step_end(self, name: str, serial: int) -> None:
+        if serial != self.executors[name].step_serial:
+            return  # a decode run's end that a cut brought forward
         self._stepping.discard(name)
         for request in self.executors[name].finish_step(self.now):
             self._open.discard(request.index)
@@ -337,7 +350,9 @@ class Simulation:
 
     def _deliver(self, name: str, commands: list[PlannedCommand], decided: float) -> None:
         self._inbox.setdefault(name, []).extend((decided, c) for c in commands)
-        if name not in self._stepping:
+        if name in self._stepping:
+            self._cut(name)
+        else:
             self._apply(name)
 
     def _apply(self, name: str) -> None:
@@ -397,6 +412,8 @@ class Simulation:
 
     # --- what the bench's cluster poll would have seen ------------------------------------------------------
     def _sample(self) -> None:
+        for executor in self.executors.values():
+            executor.settle(self.now)
         self.samples.append((self.now, [
             {"id": e.id, "kv": {"pages_base": s.pages_base, "pages_extension": s.pages_extension,
                                 "pages_used": s.pages_kv_used}, "block_size": e.limits.block_size,

@@ -21,7 +21,7 @@
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.simulator.fleet import ExecutorSpec
@@ -49,6 +49,19 @@ def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence
     """A step of an executor serving alone."""
     seconds = sum(layers * layer_seconds(spec, bits, chunks) for bits, layers in bits_count(layer_bits))
     return seconds + spec.overhead.at(sum(c.length for c in chunks))
+
+
+def decode_step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], batch: int) -> Callable[[int], float]:
+    """step_seconds of `batch` decodes, by their mean context in tokens: a decode run's steps (decode_run.py),
+    which differ in nothing else. The same sums in the same order, to the float, without the chunks."""
+    groups, decode, overhead = bits_count(layer_bits), spec.latency.decode, spec.overhead.at(batch)
+
+    def seconds(context: int) -> float:
+        layers_s = 0
+        for bits, layers in groups:
+            layers_s += layers * decode(bits, batch, context)
+        return layers_s + overhead
+    return seconds
 
 
 def bits_count(layer_bits: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -20,6 +20,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 `hold` and `map_blocks` keep this arena's slots and backing pages as the fabric's member keeps them.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -29,10 +30,10 @@ from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
-from services.simulator import costs
+from services.simulator import costs, decode_run
 from services.simulator.fleet import ExecutorSpec, Fleet
 from services.simulator.instance import SimulatedRefusal
 from services.simulator.member import MemberArena
@@ -79,9 +80,10 @@ class SimRequest:
 
 class SimExecutor(MemberArena):
     def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
-                 in_world: bool = False):
+                 in_world: bool = False, decode_runs: bool = True):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
-        holds the longest sequence)."""
+        holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
+        (decode_run.py); without, every step is scheduled alone (the same results, slower)."""
         self.spec, self.id, self.shape = spec, spec.id, fleet.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
         block = self.limits.block_size
@@ -113,6 +115,9 @@ class SimExecutor(MemberArena):
         self.rejected = 0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
         self.stepping: SchedulerOutput | None = None
+        self.decode_runs = decode_runs
+        self.run: decode_run.DecodeRun | None = None  # steps ahead of a decode-only batch, settled lazily
+        self.step_serial = 0  # which step or run the cluster's next step end is for: a cut moves it on
         self.step_started_s = 0.0
         self.held = set(range(self.shape.num_layers))  # layers whose slot holds their weights
         self.world: list[str] = []  # the executors it can merge with (`up` puts several in one world)
@@ -157,23 +162,79 @@ class SimExecutor(MemberArena):
         self.requests[seq.request_id] = request
 
     def start_step(self, now: float) -> float | None:
-        """Schedule the next step; its seconds, or None when there is nothing to run."""
+        """Schedule the next step, or a run of decode steps (decode_run.py) when alone; when it ends, or None when
+        there is nothing to run."""
+        if self.group is None and self.decode_runs:
+            self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, functools.partial(
+                costs.decode_step_seconds, self.spec, self.layer_bits))
+            if self.run is not None:
+                self.step_serial += 1
+                self.settle(now)
+                return self.run.ends[-1]
         out = self.scheduler.schedule()
         if not out.chunks:
             return None
+        self.step_serial += 1
         self.stepping, self.step_started_s = out, now
         self.busy.begin(now)
         if self.group is None:
-            return costs.step_seconds(self.spec, self.layer_bits, out.chunks)
+            return now + costs.step_seconds(self.spec, self.layer_bits, out.chunks)
         seconds, parts = self.group.step_seconds(out.chunks)
         for name, member in self.group.members.items():
             if name != self.id and parts[name] > 0:
                 member.busy.begin(now)
                 member.busy.end(now + parts[name])
-        return seconds
+        return now + seconds
+
+    def settle(self, now: float) -> None:
+        """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have
+        their tokens out, as single steps would have left them. Its last step is finish_step's."""
+        run = self.run
+        if run is None:
+            return
+        ended, began = run.finished, run.started
+        while run.started < len(run.ends) and run.start_of(run.started) <= now:
+            while run.reserved < len(run.pages) and run.pages[run.reserved][0] == run.started:
+                i = run.pages[run.reserved][1]
+                self.blocks.reserve(run.seqs[i], run.base[i] + run.started + 1)
+                run.reserved += 1
+            run.started += 1
+        if began == 0 and run.started:
+            self.busy.begin(run.began)
+        run.finished = max(ended, run.started - 1)  # each step but the last begun ends where the next begins
+        self.busy.back_to_back(run.ends[ended:run.finished])
+        if (steps := run.finished - ended) == 0:
+            return
+        mix, tokens = (self.layer_bits.count(8), self.layer_bits.count(4)), [0] * steps
+        last = run.ends[run.finished - 1]
+        for seq in run.seqs:
+            seq.num_computed += steps
+            seq.output_ids += tokens
+            request = self.requests[seq.request_id]
+            request.tokens += steps
+            request.token_bits[mix] = request.token_bits.get(mix, 0) + steps
+            request.last_token_s = last
+        self.counts["generated_tokens"] += steps * len(run.seqs)
+
+    def cut(self, now: float) -> float | None:
+        """Something changed what the next step would schedule: a decode run ends with the step in flight at `now`.
+        When it now ends (its step_serial moved on), or None when nothing changed."""
+        if self.run is None:
+            return None
+        self.settle(now)
+        if not self.run.cut():
+            return None
+        self.step_serial += 1
+        return self.run.ends[-1]
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
+        if (run := self.run) is not None:  # every step but its last settled, and that one finished as a single one
+            self.settle(now)
+            self.run, last = None, len(run.ends) - 1
+            self.stepping = SchedulerOutput(chunks=[ScheduledChunk(seq, run.base[i] + last, 1)
+                                                    for i, seq in enumerate(run.seqs)])
+            self.step_started_s = run.start_of(last)
         out, self.stepping = self.stepping, None
         self.busy.end(now)
         done = []
@@ -209,7 +270,7 @@ class SimExecutor(MemberArena):
         """Its client gave up: the sequence leaves the scheduler at the step boundary (at once when no step
         runs), its pages freed, and nothing more is recorded of it."""
         self.cancelled.add(request_id)
-        if self.stepping is None:
+        if self.stepping is None and self.run is None:
             self._drop_cancelled()
 
     def _drop_cancelled(self) -> None:
@@ -314,6 +375,7 @@ class SimExecutor(MemberArena):
 
     # --- telemetry --------------------------------------------------------------------------------
     def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
+        self.settle(now)
         leads = self.group is None or self.group.plan.leader == self.id
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         snap = self.ledger.snapshot()

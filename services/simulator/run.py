@@ -87,6 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--compare-tp", type=Path,
                     help="instead, a `morphling bench-amoebas` JSON: the fleet's predicted steps alone and merged TP2 "
                          "against the ones it measured (written to tp_steps.json in --out)")
+    ap.add_argument("--single-steps", action="store_true",
+                    help="schedule every step alone, no decode runs (the same results, slower: to compare)")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -151,7 +153,7 @@ def settings_for(mode: str, args) -> SimSettings:
                                   amoebas="tp" in m.levers)
     monitor = MonitorConfig(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, drain_s=args.drain_timeout,
-                       spare=m.spare)
+                       spare=m.spare, decode_runs=not args.single_steps)
 
 
 def timed(simulation: Simulation, arrivals) -> tuple[SimRun, float]:

@@ -8,6 +8,7 @@ prompt half computed.
 """
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -149,6 +150,22 @@ def test_the_windows_kept_sums_agree_with_summing_the_window_each_time(steps, ru
         busy.begin(now)
         expected = sum(max(0.0, min(end, now + 0.5) - max(begin, now - 0.5)) for begin, end in spans) + 0.5
         assert busy.share(now + 0.5) == pytest.approx(min(1.0, expected), abs=1e-9)
+
+
+@given(st.floats(0.0, 5.0), st.lists(st.floats(0.001, 0.4), max_size=40), st.floats(0.0, 2.0))
+def test_spans_back_to_back_are_begin_and_end_at_each_to_the_float(start, lengths, read_after):
+    """The simulator's decode runs mark a run's steps at once (BusyWindow.back_to_back)."""
+    ends = list(itertools.accumulate(lengths, initial=start))[1:]
+    one_by_one, at_once = BusyWindow(window_s=1.0), BusyWindow(window_s=1.0)
+    one_by_one.begin(start)
+    for end in ends:
+        one_by_one.end(end)
+        one_by_one.begin(end)
+    at_once.begin(start)
+    at_once.back_to_back(ends)
+    read_at = (ends[-1] if ends else start) + read_after
+    assert at_once.share(read_at) == one_by_one.share(read_at)
+    assert (list(at_once._spans), at_once._total) == (list(one_by_one._spans), one_by_one._total)
 
 
 def test_a_follower_is_busy_inside_its_part_of_a_step_not_while_waiting_for_the_next():

@@ -1,0 +1,92 @@
+"""A decode-only batch advanced many steps at once, to exactly where single steps would have taken it.
+
+At a thousand executors, steps were two thirds of the event loop: one event, one pass of the scheduler and one
+of the cost model per step, 25-75 ms of simulated time each. Yet most steps are foreseeable. When every
+running sequence decodes and nobody can join (the queue is empty, or the batch is at its cap), the scheduler's
+next steps (engine/scheduling/scheduler.py, rule 1) are known ahead: the same sequences, one token each, a
+fresh page for a sequence whose next token opens a block. That holds until a sequence finishes, or the free
+pages run short (the scheduler would preempt). Such a run is planned at once, its steps timed by the cost
+model, and it is one event: its end.
+
+The executor advances it lazily (executor.py, `settle`): whatever reads the executor first settles the steps
+begun and ended by then, and whatever changes what the next step would schedule (an arrival, a command, a
+cancel) cuts the run after the step in flight. Settled, the executor holds what single steps would have left
+it, to the page id and the float: tests/unit/test_decode_runs.py replays both side by side.
+
+Simulated sequences never fork (every request is n=1), so no block is shared and copy-on-write cannot arise:
+a decode's pages are the block its next token opens, or none.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.scheduling.scheduler import Scheduler
+from services.executor.engine.scheduling.sequence import Sequence, Status
+
+MAX_RUN_STEPS = 64  # what a cut may throw away: the steps past it are timed for nothing
+
+
+@dataclass
+class DecodeRun:
+    seqs: list[Sequence]  # the batch, in the scheduler's order
+    base: list[int]  # each one's num_computed when the run began
+    began: float
+    ends: list[float]  # each step's end; a step begins where the one before it ended
+    pages: list[tuple[int, int]]  # (step, the sequence's index): a decode that opens a block, in allocation order
+    started: int = 0  # steps whose pages are reserved and whose busy span has begun
+    finished: int = 0  # steps whose tokens are out
+    reserved: int = 0  # of `pages`
+
+    def start_of(self, step: int) -> float:
+        return self.began if step == 0 else self.ends[step - 1]
+
+    def cut(self) -> bool:
+        """End the run with the step in flight (settled: every earlier one has finished); False when that was its
+        last step already."""
+        last = self.finished + 1
+        if last >= len(self.ends):
+            return False
+        del self.ends[last:]
+        self.pages = [(step, i) for step, i in self.pages if step < last]
+        return True
+
+
+def steady(scheduler: Scheduler) -> bool:
+    """Whether the scheduler's next step is every running sequence decoding one token and nothing else: none
+    in prefill, none waiting that a free slot would let in, the batch inside the step's token budget."""
+    running = scheduler.running
+    if not running or len(running) > scheduler.max_num_batched_tokens:
+        return False
+    if scheduler.waiting and len(running) + scheduler.waiting[0].fork_into <= scheduler.max_num_seqs:
+        return False
+    return all(seq.status is Status.RUNNING and seq.num_uncomputed == 1 and seq.output_ids for seq in running)
+
+
+def plan_run(scheduler: Scheduler, blocks: BlockManager, max_model_len: int, now: float,
+             step_seconds: Callable[[int], Callable[[int], float]]) -> DecodeRun | None:
+    """The run of decode steps the scheduler would make from `now`, or None when its next step is not one.
+
+    `step_seconds(batch)(context)`: a decode step's seconds (costs.decode_step_seconds for the executor). The run
+    ends with the step in which the first sequence finishes, and before the step whose pages are not free.
+    """
+    if not steady(scheduler):
+        return None
+    seqs, size = list(scheduler.running), blocks.block_size
+    steps = min(MAX_RUN_STEPS, *(min(s.params.max_tokens - len(s.output_ids), max_model_len - s.num_tokens)
+                                 for s in seqs))
+    # A decode at step i writes position num_computed + i; it takes a page when that opens a block beyond its table.
+    pages = sorted((step, i) for i, s in enumerate(seqs)
+                   for step in range(len(s.block_table) * size - s.num_computed, steps, size))
+    free = blocks.ledger.num_free
+    if len(pages) > free:  # the scheduler would preempt in that step: the run stops before it
+        steps = pages[free][0]
+        pages = [page for page in pages if page[0] < steps]
+    if steps < 1:
+        return None
+    base, batch = [s.num_computed for s in seqs], len(seqs)
+    contexts, seconds, ends, t = sum(base) + batch, step_seconds(batch), [], now
+    for step in range(steps):
+        t += seconds(int((contexts + batch * step) / batch))
+        ends.append(t)
+    return DecodeRun(seqs, base, now, ends, pages)

@@ -1,0 +1,129 @@
+"""Decode runs (services/simulator/decode_run.py) against single steps: a simulation that advances decode-only
+batches many steps at once must end exactly where one that schedules every step alone ends, every time, page
+and float. The fleet's decode step grows with the batch and the context, so that every step of a run has its
+own length; its KV is small, so that batches run out of pages and preempt."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.bench.trace import TraceRequest
+from services.executor.engine.scheduling.scheduler import ScheduledChunk
+from services.executor.engine.scheduling.sequence import Sequence
+from services.simulator import costs, decode_run
+from services.simulator.cluster import SimSettings, Simulation
+from services.simulator.executor import SimExecutor, SimRequest
+from services.simulator.fleet import read_fleet
+from shared.config import ControllerConfig
+from shared.planner.latency import FittedLatency
+from shared.sampling import SamplingOptions
+
+PAGE = 737_280  # the default model's page: one 16-token block of every layer's KV, float32
+SLOT_PAGES = 30 * 20  # its 30 layers' slots at full precision
+SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+         "dtype_bytes": 4, "num_layers": 30}
+
+
+def write_fleet(tmp_path: Path, kv_pages: int, count: int) -> Path:
+    """cpu executors with `kv_pages` pages for KV at full precision, a decode layer of 1 ms + 0.1 ms a sequence
+    + 2 µs a sequence's token of context + 1 µs a token of mean context, and a step overhead of 5 ms + 0.3 ms a
+    token."""
+    fitted = FittedLatency("cpu", SHAPE, {"prefill": {b: [0.002, 0.0001, 1e-5, 1e-6, 0.0] for b in (16, 8, 4)},
+                                          "decode": {b: [0.001 * b / 16, 1e-4, 2e-6, 1e-6] for b in (16, 8, 4)}})
+    (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))
+    (tmp_path / "speedup.json").write_text(json.dumps({
+        "kind": "speedup-profile", "model": "default", "device": "cpu", "threads": 1, "num_layers": 30,
+        "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
+        "hop": {"intercept_s": 0.0, "per_byte_s": 0.0}, "step_overhead": {"intercept_s": 0.005, "per_token_s": 3e-4}}))
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({
+        "model": "default", "swap_s_per_layer": {"quantize": 0.004, "restore": 0.003},
+        "executors": [{"device": "cpu", "count": count, "memory": (SLOT_PAGES + kv_pages) * PAGE,
+                       "latency_profile": "latency.json", "speedup_profile": "speedup.json"}],
+        "engine": {"max_model_len": 512, "max_num_seqs": 4}}))
+    return path
+
+
+def replay(fleet, arrivals, decode_runs: bool, levers: tuple, drain_s: float) -> tuple[Simulation, list]:
+    controller = ControllerConfig(levers=levers, morph_mode="default" if levers else "off")
+    sim = Simulation(fleet, SimSettings(controller=controller, drain_s=drain_s, decode_runs=decode_runs))
+    runs = [sim.run(arrivals)]
+    sim.rest(1.0, 5.0)
+    runs.append(sim.run(arrivals))  # a second window on what the first left
+    return sim, runs
+
+
+def seen(sim: Simulation, runs: list) -> dict:
+    """Everything a user of the simulator or the next window could tell apart."""
+    return {"requests": [[asdict(r) for r in run.requests] for run in runs],
+            "samples": [run.samples for run in runs], "events": [[e.model_dump() for e in run.events] for run in runs],
+            "decisions": [run.decisions for run in runs], "now": sim.now,
+            "executors": {name: (e.ledger.snapshot(), e.layer_bits, e.counts, e.scheduler.num_preemptions,
+                                 e.telemetry(sim.now, "m").model_dump(exclude={"instance"}))
+                          for name, e in sim.executors.items()}}
+
+
+requests = st.lists(st.builds(TraceRequest, st.floats(0.0, 2.0), st.integers(1, 200), st.integers(1, 80)),
+                    min_size=1, max_size=14).map(lambda rs: sorted(rs, key=lambda r: r.arrival_s))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=requests, kv_pages=st.integers(32, 90), count=st.integers(1, 2), morph=st.booleans(),
+       drain_s=st.sampled_from([0.5, 90.0]))
+def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, kv_pages, count, morph, drain_s):
+    """Arrivals cut runs, reports and the bench's poll settle them, the morph lever's quantize and restore cut
+    them for a command, the drain's cancels cut them, short pages stop them before a preemption."""
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages, count))
+    levers = ("quantize",) if morph else ()
+    runs, single = (seen(*replay(fleet, arrivals, flag, levers, drain_s)) for flag in (True, False))
+    assert runs == single
+
+
+def test_a_lone_decode_batch_is_one_event_until_its_first_sequence_finishes(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages=64, count=1))
+    steps = {}
+    for flag in (True, False):
+        sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=()), decode_runs=flag))
+        run = sim.run([TraceRequest(0.0, 20, 40), TraceRequest(0.0, 20, 10)])
+        steps[flag] = (sim.executors["exec0"].step_serial, [(r.first_token_s, r.done_s) for r in run.requests])
+    # single steps: the first prompt, the second's beside the first's decode, then 38 decodes; runs: the same two
+    # steps, a run to the shorter one's end (9 steps) and one of the longer one's last 29 (the reports and the
+    # bench's poll read it, none cuts it)
+    assert steps[False][0] == 40 and steps[True][0] == 4
+    assert steps[True][1] == steps[False][1]
+
+
+def decodes(seqs):
+    return [ScheduledChunk(s, s.num_computed, 1) for s in seqs]
+
+
+def test_a_decode_steps_seconds_are_the_cost_models_to_the_float(tmp_path):
+    spec = read_fleet(write_fleet(tmp_path, kv_pages=64, count=1)).executors[0]
+    seqs = []
+    for prompt in (17, 100, 301):
+        seq = Sequence(str(prompt), 0, [0] * prompt, SamplingOptions(max_tokens=50), 0.0)
+        seq.output_ids, seq.num_computed = [0, 0], prompt + 1
+        seqs.append(seq)
+    bits = [16] * 10 + [8] * 12 + [4] * 8
+    context = sum(s.num_computed + 1 for s in seqs) / 3
+    assert costs.decode_step_seconds(spec, bits, 3)(int(context)) == costs.step_seconds(spec, bits, decodes(seqs))
+
+
+def test_a_run_stops_before_the_step_whose_page_is_not_free(tmp_path):
+    """Two sequences 3 and 5 tokens short of a new block, and one free page: the scheduler would preempt in the
+    step where the second needs a page, so the run holds the steps before it; with two free pages it runs until
+    the shorter one's last token."""
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages=64, count=1))
+    for free, steps in ((1, 5), (2, 8)):
+        executor = SimExecutor(fleet.executors[0], fleet)
+        for index, (prompt, output) in enumerate(((29, 20), (27, 9))):  # blocks of 16: 32 positions held
+            executor.admit(SimRequest(index, 0.0, prompt, output), 0.0)
+        ends = executor.start_step(0.0)
+        executor.finish_step(ends)
+        while executor.ledger.num_free > free:
+            executor.ledger.allocate()
+        run = decode_run.plan_run(executor.scheduler, executor.blocks, 512, ends, lambda batch: lambda context: 0.01)
+        assert len(run.ends) == steps and [step for step, _ in run.pages] == [3, 5][:free]

@@ -36,8 +36,9 @@ telemetry reports the plan's bits. How this rung and CoCoServe's share an instan
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
 from services.controller.policies.interface import PlannedCommand, Policy
@@ -151,21 +152,36 @@ def _valid_order(order: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
 def next_quantize(layers: list[int], settings: MorphSettings, reported: list[int] | None = None
                   ) -> tuple[list[int], int] | None:
     """The next step up: (layers, bits), or None at the top of the ladder."""
-    order = swap_order(settings, len(layers), reported)
-    room = settings.max_layers - sum(1 for b in layers if is_quantized(b))
-    fresh = [i for i in order if not is_quantized(layers[i])][:max(0, min(settings.step, room))]
-    if fresh:
-        return fresh, settings.bits_order[0]
-    for bits in settings.bits_order[1:]:
-        deeper = [i for i in order if bits < layers[i] <= 8][:settings.step]
-        if deeper:
-            return deeper, bits
-    return None
+    step = _next_quantize(tuple(layers), settings, None if reported is None else tuple(reported))
+    return None if step is None else (list(step[0]), step[1])
 
 
 def next_restore(layers: list[int], settings: MorphSettings, reported: list[int] | None = None) -> list[int]:
     """The next step down: the most recently quantized layers on the ladder (layers outside the
     swap order are not this policy's and stay as they are)."""
+    return list(_next_restore(tuple(layers), settings, None if reported is None else tuple(reported)))
+
+
+# Both are asked of every executor at every state, of the few layer mixes a fleet holds: at a thousand
+# executors, walking their layers each time was two thirds of the ladder's decision.
+@functools.lru_cache(maxsize=4096)
+def _next_quantize(layers: tuple[int, ...], settings: MorphSettings, reported: tuple[int, ...] | None
+                   ) -> tuple[tuple[int, ...], int] | None:
+    order = swap_order(settings, len(layers), reported)
+    room = settings.max_layers - sum(1 for b in layers if is_quantized(b))
+    fresh = [i for i in order if not is_quantized(layers[i])][:max(0, min(settings.step, room))]
+    if fresh:
+        return tuple(fresh), settings.bits_order[0]
+    for bits in settings.bits_order[1:]:
+        deeper = [i for i in order if bits < layers[i] <= 8][:settings.step]
+        if deeper:
+            return tuple(deeper), bits
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _next_restore(layers: tuple[int, ...], settings: MorphSettings, reported: tuple[int, ...] | None
+                  ) -> tuple[int, ...]:
     order = swap_order(settings, len(layers), reported)
 
     def rung(pos: int) -> int:
@@ -173,7 +189,7 @@ def next_restore(layers: list[int], settings: MorphSettings, reported: list[int]
         return tier * len(order) + pos
 
     ranked = sorted((p for p, i in enumerate(order) if is_quantized(layers[i])), key=rung, reverse=True)
-    return [order[p] for p in ranked[:settings.step]]
+    return tuple(order[p] for p in ranked[:settings.step])
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -194,7 +210,7 @@ class MorphMemory:
 def learn_freed_pages(known: dict[int, float], layers: list[int], pages_extension: int) -> dict[int, float]:
     """pages_extension = Σ over quantized layers of the pages each freed; with one width unknown
     that is one equation in one unknown (layers of one model free the same pages at one width)."""
-    counts = Counter(b for b in layers if is_quantized(b))
+    counts = quantized_counts(tuple(layers))
     if len(counts) == 1:
         (bits, n), = counts.items()
         return known | {bits: pages_extension / n}
@@ -206,11 +222,17 @@ def learn_freed_pages(known: dict[int, float], layers: list[int], pages_extensio
     return known
 
 
+@functools.lru_cache(maxsize=4096)
+def quantized_counts(layers: tuple[int, ...]) -> Mapping[int, int]:
+    """Quantized layers by bits (0 for bits none is at), read-only: one mapping serves every executor alike."""
+    return MappingProxyType(Counter(b for b in layers if is_quantized(b)))
+
+
 def pages_taken_back(known: dict[int, float], layers: list[int], pages_extension: int,
                      restore: list[int]) -> int:
     """KV pages the restore of `restore` takes back; an unknown width is bounded from above by the
     whole extension shared among its layers, so that a guess errs towards keeping the KV."""
-    counts = Counter(b for b in layers if is_quantized(b))
+    counts = quantized_counts(tuple(layers))
     total = sum(known.get(layers[i], pages_extension / counts[layers[i]]) for i in restore)
     return min(pages_extension, math.ceil(total - 1e-9))
 

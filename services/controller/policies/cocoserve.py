@@ -158,8 +158,10 @@ def _reason(step: Step, view: InstanceView, settings: CocoSettings, inputs: dict
 
 
 def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupProfile) -> Step | None:
-    tokens = batch_tokens(view, settings)
     nodes = eligible_nodes(view, settings)
+    if not nodes:  # Algorithm 1 adds nothing, and weighing the plan it keeps was most of a fleet's decision
+        return None
+    tokens = batch_tokens(view, settings)
     strategy = Strategy.of_plan(view.plan)
     result = scale_up(strategy, [(name, k) for name, k, _ in nodes],
                       lambda s: predict(s, profile, tokens, settings.equation))

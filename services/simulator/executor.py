@@ -8,7 +8,8 @@ one KV block for every layer, each decoder layer owns a slot of pages sized for 
 and quantizing a layer releases its slot's tail as KV pages, restoring moves live KV out and takes it back
 (engine/morphing/swapper.py). What is modelled is time: a step takes what costs.step_seconds says, a swap
 what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
-max_tokens, as the bench asks with ignore_eos).
+max_tokens, as the bench asks with ignore_eos). A batch that only decodes runs many steps as one (decode_run.py):
+`settle` brings it to whatever reads the executor, `cut` ends it where the next step would schedule otherwise.
 
 Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
 that the monitor and the controller read a simulated executor exactly as a real one, with what the service

@@ -102,10 +102,11 @@ class BusyWindow:
         """end(t) then begin(t) at each of `ends` in order: spans back to back (the simulator's decode runs)."""
         with self._lock:
             for end in ends:
-                self._spans.append((self._started, end))
-                self._total += end - self._started
+                if self._started is not None:
+                    self._spans.append((self._started, end))
+                    self._total += end - self._started
+                    self._forget_before(end - self.window_s)
                 self._started = end
-                self._forget_before(end - self.window_s)
 
     @contextmanager
     def measuring(self) -> Iterator[None]:

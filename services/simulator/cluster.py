@@ -269,6 +269,8 @@ class Simulation:
         """An arrival, a command or a cancel changes what `name`'s next step schedules: a decode run it is in ends
         with the step in flight."""
         executor = self.executors[name]
+        if executor.group is not None and executor.group.leader is not executor:
+            self._cut(executor.group.leader.id)  # a member's own work: its leader steps one at a time meanwhile
         if (ends := executor.cut(self.now)) is not None:
             self.at(ends, self._step_end, name, executor.step_serial)
 

@@ -13,6 +13,10 @@ begun and ended by then, and whatever changes what the next step would schedule 
 cancel) cuts the run after the step in flight. Settled, the executor holds what single steps would have left
 it, to the page id and the float: tests/unit/test_decode_runs.py replays both side by side.
 
+An instance's leader runs too (CoCoServe's placements and replicas, a TP merge): each step is timed by the
+instance's step model with its replicas' assignment, and marks the other members busy for their parts as it
+begins. Not while a member steps work of its own: both mark its busy window, in the order they run.
+
 Simulated sequences never fork (every request is n=1), so no block is shared and copy-on-write cannot arise:
 a decode's pages are the block its next token opens, or none.
 """
@@ -33,6 +37,7 @@ class DecodeRun:
     base: list[int]  # each one's num_computed when the run began
     began: float
     ends: list[float]  # each step's end; a step begins where the one before it ended
+    parts: list[dict[str, float]]  # in an instance of several executors: each member's computing seconds a step
     pages: list[tuple[int, int]]  # (step, the sequence's index): a decode that opens a block, in allocation order
     started: int = 0  # steps whose pages are reserved and whose busy span has begun
     finished: int = 0  # steps whose tokens are out
@@ -48,6 +53,7 @@ class DecodeRun:
         if last >= len(self.ends):
             return False
         del self.ends[last:]
+        del self.parts[last:]
         self.pages = [(step, i) for step, i in self.pages if step < last]
         return True
 
@@ -64,11 +70,13 @@ def steady(scheduler: Scheduler) -> bool:
 
 
 def plan_run(scheduler: Scheduler, blocks: BlockManager, max_model_len: int, now: float,
-             step_seconds: Callable[[int], Callable[[int], float]]) -> DecodeRun | None:
+             timing: Callable[[list[Sequence], list[int]], Callable[[int], tuple[float, dict[str, float]]]]
+             ) -> DecodeRun | None:
     """The run of decode steps the scheduler would make from `now`, or None when its next step is not one.
 
-    `step_seconds(batch)(context)`: a decode step's seconds (costs.decode_step_seconds for the executor). The run
-    ends with the step in which the first sequence finishes, and before the step whose pages are not free.
+    `timing(seqs, base)(step)`: the seconds of the run's step-th step, each sequence at its `base` tokens
+    computed plus `step`, and the members' parts of it in an instance (executor.py, `_run_timing`). The run ends
+    with the step in which the first sequence finishes, and before the step whose pages are not free.
     """
     if not steady(scheduler):
         return None
@@ -84,9 +92,11 @@ def plan_run(scheduler: Scheduler, blocks: BlockManager, max_model_len: int, now
         pages = [page for page in pages if page[0] < steps]
     if steps < 1:
         return None
-    base, batch = [s.num_computed for s in seqs], len(seqs)
-    contexts, seconds, ends, t = sum(base) + batch, step_seconds(batch), [], now
+    base = [s.num_computed for s in seqs]
+    step_seconds, ends, parts, t = timing(seqs, base), [], [], now
     for step in range(steps):
-        t += seconds(int((contexts + batch * step) / batch))
+        seconds, part = step_seconds(step)
+        t += seconds
         ends.append(t)
-    return DecodeRun(seqs, base, now, ends, pages)
+        parts.append(part)
+    return DecodeRun(seqs, base, now, ends, parts, pages)

@@ -21,7 +21,6 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 `hold` and `map_blocks` keep this arena's slots and backing pages as the fabric's member keeps them.
 """
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -163,11 +162,10 @@ class SimExecutor(MemberArena):
         self.requests[seq.request_id] = request
 
     def start_step(self, now: float) -> float | None:
-        """Schedule the next step, or a run of decode steps (decode_run.py) when alone; when it ends, or None when
-        there is nothing to run."""
-        if self.group is None and self.decode_runs:
-            self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, functools.partial(
-                costs.decode_step_seconds, self.spec, self.layer_bits))
+        """Schedule the next step, or a run of decode steps (decode_run.py); when it ends, or None when there is
+        nothing to run."""
+        if self.decode_runs and self._runs_alone():
+            self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
                 self.settle(now)
@@ -181,11 +179,33 @@ class SimExecutor(MemberArena):
         if self.group is None:
             return now + costs.step_seconds(self.spec, self.layer_bits, out.chunks)
         seconds, parts = self.group.step_seconds(out.chunks)
-        for name, member in self.group.members.items():
-            if name != self.id and parts[name] > 0:
-                member.busy.begin(now)
-                member.busy.end(now + parts[name])
+        self._members_busy(now, parts)
         return now + seconds
+
+    def _members_busy(self, now: float, parts: dict[str, float]) -> None:
+        """The other members of its instance compute their parts of the step beginning `now`."""
+        for name, part in parts.items():
+            if name != self.id and part > 0:
+                member = self.group.members[name]
+                member.busy.begin(now)
+                member.busy.end(now + part)
+
+    def _runs_alone(self) -> bool:
+        """Whether its steps are the only ones marking its instance's members busy. A member may step work of its
+        own (routed to it on a state older than its instance): then every step is timed when it begins, so that
+        the two mark their busy windows in the order they run (cluster.py's _cut cuts the leader's run)."""
+        if self.group is None:
+            return True
+        return self.group.leader is self and not any(
+            m.scheduler.has_work() for name, m in self.group.members.items() if name != self.id)
+
+    def _run_timing(self, seqs: list[Sequence], base: list[int]):
+        """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""
+        if self.group is None:
+            batch, contexts = len(seqs), sum(base) + len(seqs)
+            seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
+            return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
+        return lambda step: self.group.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have
@@ -199,6 +219,7 @@ class SimExecutor(MemberArena):
                 i = run.pages[run.reserved][1]
                 self.blocks.reserve(run.seqs[i], run.base[i] + run.started + 1)
                 run.reserved += 1
+            self._members_busy(run.start_of(run.started), run.parts[run.started])
             run.started += 1
         if began == 0 and run.started:
             self.busy.begin(run.began)
@@ -376,7 +397,7 @@ class SimExecutor(MemberArena):
 
     # --- telemetry --------------------------------------------------------------------------------
     def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
-        self.settle(now)
+        (self if self.group is None else self.group.leader).settle(now)  # a member's busy spans are the leader's
         leads = self.group is None or self.group.plan.leader == self.id
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         snap = self.ledger.snapshot()

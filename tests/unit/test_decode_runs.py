@@ -47,9 +47,27 @@ def write_fleet(tmp_path: Path, kv_pages: int, count: int) -> Path:
     return path
 
 
-def replay(fleet, arrivals, decode_runs: bool, levers: tuple, drain_s: float) -> tuple[Simulation, list]:
-    controller = ControllerConfig(levers=levers, morph_mode="default" if levers else "off")
-    sim = Simulation(fleet, SimSettings(controller=controller, drain_s=drain_s, decode_runs=decode_runs))
+LEVERS = {"none": ControllerConfig(levers=()),
+          "morph": ControllerConfig(levers=("quantize",), morph_mode="default"),
+          "cocoserve": ControllerConfig(levers=("replicate",), morph_mode="off", cocoserve_mode="default")}
+
+
+class Recorded(Simulation):
+    """Keeps every cluster state the monitor published: what the controller and the router read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.states: list[dict] = []
+
+    def _publish(self) -> None:
+        super()._publish()
+        self.states.append(self.state.model_dump())
+
+
+def replay(fleet, arrivals, decode_runs: bool, levers: str, drain_s: float) -> tuple[Simulation, list]:
+    settings = SimSettings(controller=LEVERS[levers], drain_s=drain_s, decode_runs=decode_runs,
+                           spare=levers == "cocoserve")
+    sim = Recorded(fleet, settings)
     runs = [sim.run(arrivals)]
     sim.rest(1.0, 5.0)
     runs.append(sim.run(arrivals))  # a second window on what the first left
@@ -60,7 +78,7 @@ def seen(sim: Simulation, runs: list) -> dict:
     """Everything a user of the simulator or the next window could tell apart."""
     return {"requests": [[asdict(r) for r in run.requests] for run in runs],
             "samples": [run.samples for run in runs], "events": [[e.model_dump() for e in run.events] for run in runs],
-            "decisions": [run.decisions for run in runs], "now": sim.now,
+            "decisions": [run.decisions for run in runs], "now": sim.now, "states": sim.states,
             "executors": {name: (e.ledger.snapshot(), e.layer_bits, e.counts, e.scheduler.num_preemptions,
                                  e.telemetry(sim.now, "m").model_dump(exclude={"instance"}))
                           for name, e in sim.executors.items()}}
@@ -70,14 +88,24 @@ requests = st.lists(st.builds(TraceRequest, st.floats(0.0, 2.0), st.integers(1, 
                     min_size=1, max_size=14).map(lambda rs: sorted(rs, key=lambda r: r.arrival_s))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(arrivals=requests, kv_pages=st.integers(32, 90), count=st.integers(1, 2), morph=st.booleans(),
-       drain_s=st.sampled_from([0.5, 90.0]))
-def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, kv_pages, count, morph, drain_s):
-    """Arrivals cut runs, reports and the bench's poll settle them, the morph lever's quantize and restore cut
-    them for a command, the drain's cancels cut them, short pages stop them before a preemption."""
+@st.composite
+def fleets(draw):
+    """(executors, KV pages each, levers): two executors in a world need hold only a block each, so that a long
+    request makes them merge (AMOEBAs' TP2); CoCoServe pairs them as one instance, which holds a sequence."""
+    levers = draw(st.sampled_from(sorted(LEVERS)))
+    count = 2 if levers == "cocoserve" else draw(st.integers(1, 2))
+    low = 8 if count == 2 and levers != "cocoserve" else 32
+    return count, draw(st.integers(low, 90)), levers
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=requests, fleet=fleets(), drain_s=st.sampled_from([0.5, 90.0]))
+def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, fleet, drain_s):
+    """Arrivals cut runs, reports and the bench's poll settle them, the levers' commands (quantize and restore,
+    replicate, migrate, evict and batch, a merge and its split) cut them, the drain's cancels cut them, short
+    pages stop them before a preemption; an instance's run marks its members busy as its steps would."""
+    count, kv_pages, levers = fleet
     fleet = read_fleet(write_fleet(tmp_path, kv_pages, count))
-    levers = ("quantize",) if morph else ()
     runs, single = (seen(*replay(fleet, arrivals, flag, levers, drain_s)) for flag in (True, False))
     assert runs == single
 
@@ -112,6 +140,10 @@ def test_a_decode_steps_seconds_are_the_cost_models_to_the_float(tmp_path):
     assert costs.decode_step_seconds(spec, bits, 3)(int(context)) == costs.step_seconds(spec, bits, decodes(seqs))
 
 
+def ten_ms_steps(seqs, base):
+    return lambda step: (0.01, {})
+
+
 def test_a_run_stops_before_the_step_whose_page_is_not_free(tmp_path):
     """Two sequences 3 and 5 tokens short of a new block, and one free page: the scheduler would preempt in the
     step where the second needs a page, so the run holds the steps before it; with two free pages it runs until
@@ -125,5 +157,5 @@ def test_a_run_stops_before_the_step_whose_page_is_not_free(tmp_path):
         executor.finish_step(ends)
         while executor.ledger.num_free > free:
             executor.ledger.allocate()
-        run = decode_run.plan_run(executor.scheduler, executor.blocks, 512, ends, lambda batch: lambda context: 0.01)
+        run = decode_run.plan_run(executor.scheduler, executor.blocks, 512, ends, ten_ms_steps)
         assert len(run.ends) == steps and [step for step, _ in run.pages] == [3, 5][:free]

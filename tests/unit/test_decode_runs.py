@@ -1,7 +1,8 @@
 """Decode runs (services/simulator/decode_run.py) against single steps: a simulation that advances decode-only
 batches many steps at once must end exactly where one that schedules every step alone ends, every time, page
 and float. The fleet's decode step grows with the batch and the context, so that every step of a run has its
-own length; its KV is small, so that batches run out of pages and preempt."""
+own length; its KV is small, so that batches run out of pages and preempt; two executors pair as a CoCoServe
+instance, or merge as TP2 for a request one of them cannot hold."""
 
 import json
 from dataclasses import asdict
@@ -28,9 +29,9 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_
 
 
 def write_fleet(tmp_path: Path, kv_pages: int, count: int) -> Path:
-    """cpu executors with `kv_pages` pages for KV at full precision, a decode layer of 1 ms + 0.1 ms a sequence
-    + 2 µs a sequence's token of context + 1 µs a token of mean context, and a step overhead of 5 ms + 0.3 ms a
-    token."""
+    """cpu executors with `kv_pages` pages for KV at full precision, a decode layer of 1 ms (at 16 bits; b/16 of
+    it at b) + 0.1 ms a sequence + 2 µs a sequence's token of context + 1 µs a token of mean context, and a step
+    overhead of 5 ms + 0.3 ms a token."""
     fitted = FittedLatency("cpu", SHAPE, {"prefill": {b: [0.002, 0.0001, 1e-5, 1e-6, 0.0] for b in (16, 8, 4)},
                                           "decode": {b: [0.001 * b / 16, 1e-4, 2e-6, 1e-6] for b in (16, 8, 4)}})
     (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))

@@ -50,7 +50,7 @@ from services.gateway.router import Unreported, choose_executor, prompt_pages
 from services.monitor.aggregate import ClusterView
 from services.monitor.held import HeldReports
 from services.simulator import tp
-from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
+from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fleet import Fleet
 from services.simulator.instance import SimInstance
 from services.simulator.merges import MergeRoom
@@ -225,6 +225,9 @@ class Simulation:
                 refused.add(name)
                 self._after_pressure(name)
                 continue
+            except FollowerRefusal:
+                refused.add(name)
+                continue
             except KvCapacityError:
                 self.merges.make_room(request)
                 return
@@ -269,8 +272,6 @@ class Simulation:
         """An arrival, a command or a cancel changes what `name`'s next step schedules: a decode run it is in ends
         with the step in flight."""
         executor = self.executors[name]
-        if executor.group is not None and executor.group.leader is not executor:
-            self._cut(executor.group.leader.id)  # a member's own work: its leader steps one at a time meanwhile
         if (ends := executor.cut(self.now)) is not None:
             self.at(ends, self._step_end, name, executor.step_serial)
 

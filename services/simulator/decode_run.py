@@ -15,7 +15,7 @@ it, to the page id and the float: tests/unit/test_decode_runs.py replays both si
 
 An instance's leader runs too (CoCoServe's placements and replicas, a TP merge): each step is timed by the
 instance's step model with its replicas' assignment, and marks the other members busy for their parts as it
-begins. Not while a member steps work of its own: both mark its busy window, in the order they run.
+begins. The members step nothing of their own: a request that reaches one is refused (executor.py, `admit`).
 
 Simulated sequences never fork (every request is n=1), so no block is shared and copy-on-write cannot arise:
 a decode's pages are the block its next token opens, or none.

@@ -57,7 +57,12 @@ from shared.plans import alone, alone_id
 from shared.sampling import SamplingOptions
 
 LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
-__all__ = ["SimExecutor", "SimRequest", "SimulatedRefusal"]
+__all__ = ["FollowerRefusal", "SimExecutor", "SimRequest", "SimulatedRefusal"]
+
+
+class FollowerRefusal(Exception):
+    """A request reached a member of an instance that is not its leader (routed on a state older than the
+    instance): refused, as follower.py refuses it; the gateway tries the next executor."""
 
 
 @dataclass
@@ -142,7 +147,11 @@ class SimExecutor(MemberArena):
     # --- requests -------------------------------------------------------------------------------
     def admit(self, request: SimRequest, now: float) -> None:
         """Queue `request`; QueueFullError when the waiting queue is full or would hold it longer than
-        max_queue_wait_s (the executor's admission, executor/admission.py): the gateway tries another."""
+        max_queue_wait_s (the executor's admission, executor/admission.py), FollowerRefusal on a member that
+        does not lead its instance: the gateway tries another."""
+        if self.group is not None and self.group.leader is not self:
+            raise FollowerRefusal(f"{self.id} follows {self.group.leader.id} in instance {self.group.plan.id}: "
+                                  f"requests go to the leader")
         departures, span_s = self.departures.recent(now)
         if not admits(len(self.scheduler.waiting), departures, span_s, self.max_queue_wait_s):
             self.rejected += 1
@@ -164,7 +173,7 @@ class SimExecutor(MemberArena):
     def start_step(self, now: float) -> float | None:
         """Schedule the next step, or a run of decode steps (decode_run.py); when it ends, or None when there is
         nothing to run."""
-        if self.decode_runs and self._runs_alone():
+        if self.decode_runs and (self.group is None or self.group.leader is self):
             self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
@@ -189,15 +198,6 @@ class SimExecutor(MemberArena):
                 member = self.group.members[name]
                 member.busy.begin(now)
                 member.busy.end(now + part)
-
-    def _runs_alone(self) -> bool:
-        """Whether its steps are the only ones marking its instance's members busy. A member may step work of its
-        own (routed to it on a state older than its instance): then every step is timed when it begins, so that
-        the two mark their busy windows in the order they run (cluster.py's _cut cuts the leader's run)."""
-        if self.group is None:
-            return True
-        return self.group.leader is self and not any(
-            m.scheduler.has_work() for name, m in self.group.members.items() if name != self.id)
 
     def _run_timing(self, seqs: list[Sequence], base: list[int]):
         """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""

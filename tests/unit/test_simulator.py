@@ -20,7 +20,7 @@ from services.simulator import run as simulate_cli
 from services.simulator import tp
 from services.monitor.aggregate import ClusterView
 from services.simulator.cluster import SimSettings, Simulation
-from services.simulator.executor import SimExecutor, SimRequest, SimulatedRefusal
+from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fidelity import compare
 from services.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
@@ -380,6 +380,24 @@ def test_a_refused_command_changes_nothing(tmp_path, args, why):
 def test_a_follower_refuses_commands_for_its_leader(tmp_path):
     with pytest.raises(SimulatedRefusal, match="send it to its leader exec0"):
         spare_cluster(tmp_path).executors["exec1"].apply(BatchArgs(instance="i0", max_num_seqs=4))
+
+
+def test_a_request_routed_to_a_follower_on_an_older_state_is_refused_and_goes_on_to_the_leader(tmp_path):
+    sim = spare_cluster(tmp_path)
+    sim.run([])  # the first reports and state: exec1 follows exec0
+    for i in range(2):
+        sim.arrive(SimRequest(i, sim.now, 100, 5))
+    # A state from before the instance formed: exec1 alone with an empty queue, exec0 two requests behind.
+    sim.state = sim.state.model_copy(update={"executors": [
+        e if e.executor == "exec0" else e.model_copy(update={"telemetry": e.telemetry.model_copy(
+            update={"plan": None})}) for e in sim.state.executors]})
+    late = SimRequest(2, sim.now, 100, 5)
+    sim.arrive(late)
+    follower = sim.executors["exec1"]
+    assert late.executor == "exec0" and late.error is None
+    assert not follower.scheduler.has_work() and follower.rejected == 0  # as follower.py: no queue-full count
+    with pytest.raises(FollowerRefusal, match="requests go to the leader"):
+        follower.admit(SimRequest(3, sim.now, 100, 5), sim.now)
 
 
 def test_a_request_no_executor_holds_waits_for_a_merge_whose_leader_alone_then_takes_requests(tmp_path):

@@ -45,9 +45,8 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFCheckpoint(Checkpoint):
-    def __init__(self, config: ModelConfig, path: str, reader, tensors: dict, unpermute: bool):
+    def __init__(self, config: ModelConfig, path: str, tensors: dict, unpermute: bool):
         super().__init__(config, path, [path])
-        self._reader = reader
         self._tensors = tensors
         self._unpermute = unpermute
 
@@ -71,13 +70,6 @@ class GGUFCheckpoint(Checkpoint):
 def _f32(value) -> float:
     # GGUF stores these as float32; the shortest decimal that round-trips gives back the original 1e-5, not 9.99e-6.
     return float(str(np.float32(value)))
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def _fit_llama3_rope(path: str, freq_factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
@@ -136,16 +128,14 @@ def _llama3_factors(u: np.ndarray, p: dict) -> np.ndarray:
 
 
 def _load_gguf(path: str) -> GGUFCheckpoint:
-    import gguf
+    from services.executor.engine.model.gguf_file import read_gguf  # imports gguf: only GGUF needs it
 
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader surfaces corruption as struct/numpy/value errors of any kind
+        parsed = read_gguf(path)
+    except Exception as e:  # corruption surfaces as struct/numpy/value errors of any kind
         raise ModelLoadError(path, f"not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}")
-    try:
-        arch_raw = _gguf_field(reader, "general.architecture")
-    except Exception as e:
-        raise ModelLoadError(path, f"corrupt GGUF metadata: {e}")
+    meta, tensors = parsed.metadata, parsed.tensors
+    arch_raw = meta.get("general.architecture")
     if arch_raw is None:
         raise ModelLoadError(path, "GGUF metadata has no general.architecture")
     if arch_raw not in GGUF_ARCHITECTURES:
@@ -153,27 +143,26 @@ def _load_gguf(path: str) -> GGUFCheckpoint:
             path, f"unsupported architecture {arch_raw!r}; supported GGUF architectures: "
                   f"{', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs declare 'llama')")
     arch = GGUF_ARCHITECTURES[arch_raw]
-    tensors = {t.name: t for t in reader.tensors}
 
     def need(key: str):
-        value = _gguf_field(reader, f"{arch_raw}.{key}")
+        value = meta.get(f"{arch_raw}.{key}")
         if value is None:
             raise ModelLoadError(path, f"GGUF metadata lacks {arch_raw}.{key}")
         return value
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(_gguf_field(reader, f"{arch_raw}.attention.head_count_kv", heads))
-    head_dim = int(_gguf_field(reader, f"{arch_raw}.attention.key_length", hidden // heads))
-    rope_dim = _gguf_field(reader, f"{arch_raw}.rope.dimension_count")
+    kv_heads = int(meta.get(f"{arch_raw}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch_raw}.attention.key_length", hidden // heads))
+    rope_dim = meta.get(f"{arch_raw}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise UnsupportedModelError(path, f"partial rotary embeddings (rope.dimension_count {rope_dim} "
                                           f"!= head_dim {head_dim}) are not supported")
-    theta = _f32(_gguf_field(reader, f"{arch_raw}.rope.freq_base", 10000.0))
+    theta = _f32(meta.get(f"{arch_raw}.rope.freq_base", 10000.0))
     max_pos = int(need("context_length"))
 
     rope_scaling = None
-    scaling_type = _gguf_field(reader, f"{arch_raw}.rope.scaling.type")
+    scaling_type = meta.get(f"{arch_raw}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
             raise UnsupportedModelError(
@@ -183,18 +172,18 @@ def _load_gguf(path: str) -> GGUFCheckpoint:
         t = tensors["rope_freqs.weight"]
         rope_scaling = _fit_llama3_rope(path, np.asarray(t.data, dtype=np.float32).reshape(-1), theta, head_dim)
 
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        vocab = len(tokens.data)
+        vocab = len(tokens)
     else:
         vocab = int(need("vocab_size"))
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        value = _gguf_field(reader, key)
+        value = meta.get(key)
         if value is not None and int(value) not in eos:
             eos.append(int(value))
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    sliding = _gguf_field(reader, f"{arch_raw}.attention.sliding_window")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    sliding = meta.get(f"{arch_raw}.attention.sliding_window")
 
     config = ModelConfig(
         architecture=arch,
@@ -214,10 +203,10 @@ def _load_gguf(path: str) -> GGUFCheckpoint:
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(eos),
-        name=str(_gguf_field(reader, "general.name") or Path(path).stem),
+        name=str(meta.get("general.name") or Path(path).stem),
     )
     _check_supported(path, config)
-    ckpt = GGUFCheckpoint(config, path, reader, tensors, unpermute=arch == "llama")
+    ckpt = GGUFCheckpoint(config, path, tensors, unpermute=arch == "llama")
     for name, shape in ckpt._shapes.items():
         src = _source_name(name, _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, "blk.{i}.")
         if src not in tensors:

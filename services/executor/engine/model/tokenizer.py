@@ -126,18 +126,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> "Tokenizer":
-        import gguf  # heavy, and only GGUF checkpoints need it
+        from services.executor.engine.model.gguf_file import read_gguf  # imports gguf: only GGUF needs it
 
         if not os.path.isfile(path):
             raise ModelLoadError(path, "file not found")
         try:
-            reader = gguf.GGUFReader(path)
-        except Exception as exc:  # the reader raises assorted types on a corrupt header
+            meta = read_gguf(path).metadata.get
+        except Exception as exc:  # assorted types on a corrupt header
             raise ModelLoadError(path, f"not a readable GGUF file: {exc}") from exc
-
-        def meta(key, default=None):
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
 
         kind = meta("tokenizer.ggml.model")
         tokens = meta("tokenizer.ggml.tokens")

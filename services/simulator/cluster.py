@@ -418,9 +418,8 @@ class Simulation:
         for executor in self.executors.values():
             executor.settle(self.now)
         self.samples.append((self.now, [
-            {"id": e.id, "kv": {"pages_base": s.pages_base, "pages_extension": s.pages_extension,
-                                "pages_used": s.pages_kv_used}, "block_size": e.limits.block_size,
+            {"id": e.id, "kv": e.kv_pages(e.ledger.snapshot()), "block_size": e.limits.block_size,
              "layers": list(e.layer_bits), "running": len(e.scheduler.running),
              "waiting": len(e.scheduler.waiting), "preemptions": e.scheduler.num_preemptions}
-            for e in self.executors.values() for s in [e.ledger.snapshot()]]))
+            for e in self.executors.values()]))
         self.at(self.now + self.settings.sample_interval_s, self._sample)

@@ -403,7 +403,7 @@ class SimExecutor(MemberArena):
         snap = self.ledger.snapshot()
         return ExecutorTelemetry(
             executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
-            block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self._kv_pages(snap),
+            block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self.kv_pages(snap),
             layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
             world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),
             spare_pages=self.ledger.num_free if self.group else 0,

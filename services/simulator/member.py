@@ -78,8 +78,9 @@ class MemberArena:
             self.units_key = key
         return self.units
 
-    def _kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
-        """Telemetry's KvPages, as fields: validated inside the report (one validation a report, not two)."""
+    def kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
+        """Telemetry's KvPages, as fields (validated inside the report: one validation a report, not two). In an
+        instance, the instance's blocks, as fabric/member.py's snapshot counts them on every member."""
         if self.group is None:
             return dict(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
                         pages_used=snap.pages_kv_used, pages_base=snap.pages_base,

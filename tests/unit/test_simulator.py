@@ -364,6 +364,20 @@ def test_a_step_of_the_spare_plan_is_the_leaders_alone(tmp_path):
     assert a_step_of_two_prompts(leader) == pytest.approx(30 * PREFILL_S + OVERHEAD_S)
 
 
+def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path):
+    sim = spare_cluster(tmp_path)
+    run = sim.run([TraceRequest(0.5, 100, 40), TraceRequest(0.6, 300, 40)])
+    both = next(seen for t, seen in run.samples if t == pytest.approx(0.75))
+    # Every member of an instance counts the instance's blocks (fabric/member.py's snapshot): 200 blocks, of
+    # which the two prompts hold 7 + 19 once prefilled; none once they are done.
+    assert [(e["kv"]["pages_base"] + e["kv"]["pages_extension"], e["kv"]["pages_used"]) for e in both] == [
+        (200, 26), (200, 26)]
+    sim.rest(1.0, timeout_s=5.0)  # samples go on while the cluster rests, as the bench's poll does
+    _, last = sim.samples[-1]
+    reports = {n: e.telemetry(sim.now, "m").kv.model_dump() for n, e in sim.executors.items()}
+    assert {e["id"]: e["kv"] for e in last} == reports and reports["exec1"]["pages_used"] == 0
+
+
 @pytest.mark.parametrize("args, why", [
     (EvictArgs(instance="i0", layers=[0, 3], source="exec1"), "no replica on exec1"),
     (ReplicateArgs(instance="i9", layers=[0, 3], to="exec1"), "not 'i9'"),

@@ -15,12 +15,13 @@ Modes: off (nothing), scale-down (Algorithm 2 and its reverse, never a new repli
 robustness alone), default (both algorithms).
 """
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from services.controller.hysteresis import HysteresisState, advance
-from services.controller.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, Step,
-                                                               batch_tokens, consecutive_runs, eligible_nodes,
+from services.controller.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, ScaleUp,
+                                                               Step, batch_tokens, consecutive_runs, eligible_nodes,
                                                                instances, ranges, scale_down_step, scale_up,
                                                                settings_for_config, vacancy)
 from services.controller.policies.interface import PlannedCommand, Policy
@@ -163,8 +164,7 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
         return None
     tokens = batch_tokens(view, settings)
     strategy = Strategy.of_plan(view.plan)
-    result = scale_up(strategy, [(name, k) for name, k, _ in nodes],
-                      lambda s: predict(s, profile, tokens, settings.equation))
+    result = _scale_up(strategy, tuple((name, k) for name, k, _ in nodes), profile, tokens, settings.equation)
     if not result.added:
         return None
     commands: list[CommandArgs] = [ReplicateArgs(instance=view.plan.id, layers=span, to=dst)
@@ -173,6 +173,15 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
               "speedup_before": result.before, "speedup_after": result.after,
               "gamma_before": gamma(strategy, profile, tokens), "gamma_after": gamma(result.strategy, profile, tokens)}
     return Step("replicate", commands, inputs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scale_up(strategy: Strategy, nodes: tuple[tuple[str, int], ...], profile: SpeedupProfile, tokens: int,
+              equation: str) -> ScaleUp:
+    # An instance with an eligible node weighs Algorithm 1 at every state, and keeps its plan, its spare pages and
+    # its batch cap (the tokens) for long: the same answer. It was half of CoCoServe's decision at a thousand
+    # executors. The result is shared: read it, never change it.
+    return scale_up(strategy, nodes, lambda s: predict(s, profile, tokens, equation))
 
 
 def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSettings, profile: SpeedupProfile,

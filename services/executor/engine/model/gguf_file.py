@@ -15,11 +15,12 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
+V = GGUFValueType
+_SCALARS = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i", V.FLOAT32: "f",
+            V.BOOL: "?", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d"}  # struct's codes
 _TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
           GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
           GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
@@ -59,11 +60,11 @@ class _Cursor:
         return text
 
     def value(self, kind: int):
-        if kind == _STRING:
+        if kind == V.STRING:
             return self.string()
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
-        if kind != _ARRAY:
+        if kind != V.ARRAY:
             raise ValueError(f"unknown metadata value type {kind} at offset {self.at}")
         item, count = self.take("I"), self.take("Q")
         if item in _SCALARS:  # one read for the whole array
@@ -80,8 +81,8 @@ def read_gguf(path: str) -> GGUFFile:
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if len(buffer) < 8 or struct.unpack_from("<I", buffer)[0] != GGUF_MAGIC:
         raise ValueError("no GGUF magic number at the start")
-    version = struct.unpack_from("<I", buffer, 4)[0]
-    order = "<" if version & 0xFFFF else ">"  # written on a machine of the other byte order
+    # A little-endian version (2 or 3) has its low half set; one written on a big-endian machine, its high half.
+    order = "<" if struct.unpack_from("<I", buffer, 4)[0] & 0xFFFF else ">"
     cursor = _Cursor(buffer, order)
     cursor.at = 4
     if (version := cursor.take("I")) not in (2, 3):

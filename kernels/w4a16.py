@@ -76,6 +76,7 @@ def block_ks(group_size: int) -> tuple[int, ...]:
 
 
 if _HAS_TRITON:
+    from kernels.w8a16 import gemv_sum
 
     @triton.jit
     def _dequant_chunk(p_ptr, s_ptr, z_ptr, rn, n_mask, k0, group_size, stride_pn, stride_pk, stride_sn,
@@ -147,8 +148,9 @@ if _HAS_TRITON:
             x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
             lo, hi = _dequant_chunk(p_ptr, s_ptr, z_ptr, rn, n_mask, k0, group_size, stride_pn, stride_pk,
                                     stride_sn, stride_sg, stride_zn, stride_zg, BLOCK_K // 2)
-            acc += tl.sum(x_even[:, :, None] * lo[None, :, :], axis=1)
-            acc += tl.sum(x_odd[:, :, None] * hi[None, :, :], axis=1)
+            exact = x_ptr.dtype.element_ty == tl.float32
+            acc += gemv_sum(x_even, lo, exact)
+            acc += gemv_sum(x_odd, hi, exact)
 
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)

@@ -134,6 +134,21 @@ def partials(out: torch.Tensor, splits: int) -> torch.Tensor:
 if _HAS_TRITON:
 
     @triton.jit
+    def gemv_sum(x, w, EXACT: tl.constexpr):
+        """x [M, K] times w [K, N] in float32, summed over K: [M, N].
+
+        Triton's combine pass turns x[:, :, None] * w[None, :, :] summed over K into a tensor-core dot once M
+        and N are both 16 or more, and triton 3.6 (the GPU images') makes it a TF32 one: float32 activations
+        lose 13 bits of mantissa (the GEMV erred 3.4e-4 at 16 rows on an H200). bf16 activations and int8
+        codes are exact in TF32, so only float32 activations (EXACT) take the product the pass does not match.
+        """
+        if EXACT:
+            total = tl.sum(w[None, :, :] * x[:, :, None], axis=1)
+        else:
+            total = tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        return total
+
+    @triton.jit
     def _w8a16_gemv_kernel(
         x_ptr,
         q_ptr,
@@ -182,7 +197,7 @@ if _HAS_TRITON:
                 mask=k_mask[:, None] & n_mask[None, :],
                 other=0,
             ).to(tl.float32)
-            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+            acc += gemv_sum(x, w, x_ptr.dtype.element_ty == tl.float32)
 
         # Per-channel scaling is linear, so each split may scale its own partial sum.
         scale = tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)

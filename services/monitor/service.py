@@ -5,8 +5,10 @@ clock (≥ 4 Hz) rather than on each telemetry message: the state's rate stays b
 executors report, and a dead executor is noticed even when nothing at all arrives. One exception: a
 report that shows new pressure events (a preemption, an admission waiting for KV, a refusal) publishes the
 state at once, between ticks, because the controller's first reaction should not wait for the clock; once
-per tick at most, so that the rate stays bounded when many executors are under pressure. The judging
-itself lives in aggregate.py (pure); this file only wires it to the bus and the wall clock.
+per tick at most, so that the rate stays bounded when many executors are under pressure. Where a state is
+dear (a thousand executors and more) the clock slows and the states between ticks stop, so that publishing
+takes at most half of the monitor's time (pace.py). The judging itself lives in aggregate.py (pure); this file
+only wires it to the bus and the wall clock.
 
 Reports are judged per tick, not per message: on arrival a report is only unpacked, read for new pressure
 events and held, the latest of each executor replacing the one before (its finished requests kept); at the
@@ -40,6 +42,7 @@ import uuid
 
 from services.monitor.aggregate import UP, ClusterView
 from services.monitor.held import HeldReports
+from services.monitor.pace import pace
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, NoResponders, StreamError, stop_on_signals, unsubscribe, validate
 from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
@@ -76,6 +79,7 @@ class MonitorService:
         self.reports = 0  # telemetry reports taken in
         self.states = 0  # cluster states published
         self.state_s = 0.0  # seconds building and sending them
+        self.last_state_s = 0.0  # what the latest one took: it sets the pace of the next (pace.py)
 
     async def start(self, bus: Bus) -> None:
         self._bus = bus
@@ -135,7 +139,6 @@ class MonitorService:
             self.view.observe(telemetry, report.arrived)
 
     async def _publish_loop(self) -> None:
-        interval = self.config.publish_interval_s
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
         next_stats = loop.time() + self.config.stats_interval_s
@@ -149,18 +152,20 @@ class MonitorService:
                 log.exception("publishing the cluster state failed")
             # Ticks are scheduled from a fixed origin so that slow publishes do not drift the rate; a report of
             # new pressure publishes between ticks without moving them, so the controller hears of it at once.
+            step = pace(self.config.publish_interval_s, self.last_state_s)
             ticked = loop.time() >= next_tick
             if ticked:
-                next_tick += interval
+                next_tick += step.tick_s
             delay = next_tick - loop.time()
             if delay < 0:
                 next_tick = loop.time()
                 delay = 0
             self._urgent.clear()
-            if not ticked:
+            if not ticked or not step.urgent:
                 # One state between two ticks at most: with many executors under pressure their reports would
                 # otherwise publish states back to back (1,000 executors: ~50 ms to build and encode each, ~30 ms
-                # to decode for every subscriber). Pressure reported meanwhile goes out with the tick.
+                # to decode for every subscriber). Pressure reported meanwhile goes out with the tick. None
+                # while states are dear (pace.py).
                 await asyncio.sleep(delay)
                 continue
             try:
@@ -179,7 +184,8 @@ class MonitorService:
                                                            data={"executor": executor}))
         await self._bus.publish(subjects.STATE, self.view.state(now))
         self.states += 1
-        self.state_s += time.perf_counter() - started
+        self.last_state_s = time.perf_counter() - started
+        self.state_s += self.last_state_s
         for executor in self.view.suspects(now):
             if executor not in self._probing:
                 task = asyncio.create_task(self._probe(executor), name=f"probe-{executor}")

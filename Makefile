@@ -51,12 +51,13 @@ bench-engine: install-test
 # a call of its own: the device tool allows ten minutes a call.
 GPU_SITE ?= /tmp/morphling-site
 GPU_OUT ?= bench-out/gpu
-GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) MORPHLING_DATA=$(CURDIR)/.data python3
-GPU_WHEELS := scipy pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf
+GPU_PY := PYTHONPATH=$(GPU_SITE):$(CURDIR) PATH=$(GPU_SITE)/bin:$$PATH MORPHLING_DATA=$(CURDIR)/.data python3
+GPU_WHEELS := scipy pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection typing[-_]extensions gguf \
+	nats[-_]py nats[-_]server[-_]bin opentelemetry[-_]api opentelemetry[-_]sdk opentelemetry[-_]semantic[-_]conventions psutil
 LATENCY_GRID := --batches 1,2,4,8 --prompts 256,512,1024,2048,4096 --heldout-batches 3,6 \
 	--heldout-prompts 384,768,1536,3072 --decode-batches 1,16,64,128 --contexts 256,512,1024 \
-	--heldout-decode-batches 8,32,96 --heldout-contexts 384,768 --memory-budget 40GiB
-.PHONY: gpu-bundle gpu-site test-gpu bench-gpu profile-gpu
+	--heldout-decode-batches 2,4,8,32,96 --heldout-contexts 384,768 --memory-budget 40GiB
+.PHONY: gpu-bundle gpu-site test-gpu bench-gpu profile-gpu bench-bus-gpu
 gpu-bundle: install
 	rm -rf .whl .data && mkdir -p .whl .data/corpora
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -75,6 +76,11 @@ test-gpu: gpu-site
 profile-gpu: gpu-site
 	$(GPU_PY) -m services.cli profile --latency --device cuda --shape llama-3-8b $(LATENCY_GRID) \
 		--out $(GPU_OUT)/latency_profile_llama-3-8b.json
+
+# The monitor and controller at 1,000 and 2,000 executors on the GPU machine's 16 cores: the bus needs no GPU,
+# but two cores cannot offer the 10,000 reports/s that 1,000 executors send (docs/benchmarks.md).
+bench-bus-gpu: gpu-site
+	$(GPU_PY) -m services.cli bench-bus --executors 1000,2000 --out $(GPU_OUT)/bus
 
 bench-gpu: gpu-site
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \

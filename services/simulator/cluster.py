@@ -11,7 +11,8 @@ that do, all imported from the services:
   when it next publishes (monitor/held.py, as monitor/service.py holds them). A periodic report that the next
   tick would replace unread is not built;
 - the monitor publishes the ClusterState every `publish_interval_s`, and at once when a report showed new
-  pressure, once between two ticks at most (monitor/service.py's cap); the controller (controller/loop.py's
+  pressure, once between two ticks at most (monitor/service.py's cap), at the pace its states' cost allows
+  (monitor/pace.py, the cost `monitor_state_s` an executor); the controller (controller/loop.py's
   Controller.plan, with the policies its process would run) plans on every state, and
   controller/dispatch.py says which planned commands go out (one command at a time per executor, none from
   a state older than the executor's last answer);
@@ -49,6 +50,7 @@ from services.gateway.admin import cluster_body
 from services.gateway.router import Unreported, choose_executor, prompt_pages
 from services.monitor.aggregate import ClusterView
 from services.monitor.held import HeldReports
+from services.monitor.pace import pace
 from services.simulator import tp
 from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fleet import Fleet
@@ -68,6 +70,9 @@ class SimSettings:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     static_bits: int = 16
     telemetry_interval_s: float = 0.1  # ExecutorConfig's
+    # What a state costs the monitor (judging the held reports, building, encoding), per executor: 103 ms at
+    # 1,000 executors on the GPU machine's host (docs/benchmarks.md, "On the GPU machine's 16 cores").
+    monitor_state_s: float = 1.0e-4
     sample_interval_s: float = 0.25  # the bench's cluster poll
     bus_latency_s: float = 0.001
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
@@ -324,9 +329,10 @@ class Simulation:
         return rose
 
     def _tick(self) -> None:
-        self._next_tick = self.now + self.settings.monitor.publish_interval_s
+        step = pace(self.settings.monitor.publish_interval_s, self.settings.monitor_state_s * len(self.executors))
+        self._next_tick = self.now + step.tick_s
         self._publish()
-        self._urgent_open = True
+        self._urgent_open = step.urgent
         self.at(self._next_tick, self._tick)
 
     def _publish(self) -> None:

@@ -71,6 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.5, help="the system's TPOT SLO")
     ap.add_argument("--telemetry-interval", type=float, default=0.1, help="seconds between an executor's reports")
+    ap.add_argument("--monitor-state-s", type=float, default=SimSettings.monitor_state_s,
+                    help="seconds a cluster state costs the monitor, per executor: its pace (default %(default)g, "
+                         "measured on a 16-core host)")
     ap.add_argument("--rest-s", type=float, default=10.0, help="seconds of rest between two windows of a mode")
     ap.add_argument("--settle-timeout", type=float, default=180.0,
                     help="seconds more, after the rest, for the cluster to be back at rest (default %(default)s)")
@@ -152,8 +155,8 @@ def settings_for(mode: str, args) -> SimSettings:
                                   cocoserve_mode="default" if "replicate" in m.levers else "off",
                                   amoebas="tp" in m.levers)
     monitor = MonitorConfig(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
-    return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, drain_s=args.drain_timeout,
-                       spare=m.spare, decode_runs=not args.single_steps)
+    return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, args.monitor_state_s,
+                       drain_s=args.drain_timeout, spare=m.spare, decode_runs=not args.single_steps)
 
 
 def timed(simulation: Simulation, arrivals) -> tuple[SimRun, float]:

@@ -173,6 +173,23 @@ def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_
     assert ttft < percentile([r.first_token_s - r.arrival_s for r in static.requests if r.error is None], 95)
 
 
+def test_where_states_are_dear_the_monitor_slows_its_clock_and_sends_none_between_ticks(tmp_path):
+    """The real monitor's pace (monitor/pace.py): a state costing 0.3 s (two executors at 0.15 s each) goes out
+    every 0.6 s, pressure or not, where cheap ones go out every 0.2 s and also between ticks."""
+    fleet = read_fleet(write_fleet(tmp_path, pages=720, count=2))
+    planned = {}
+    for cost in (0.0, 0.15):
+        settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),
+                               monitor=MonitorConfig(slo_ttft_s=2.0, slo_tpot_s=0.5), monitor_state_s=cost)
+        run = Simulation(fleet, settings).run(burst(120))
+        assert [e for e in run.events if e.kind == "pressure"]  # new pressure to publish for
+        planned[cost] = (run.decisions, run.elapsed_s)
+    decisions, elapsed = planned[0.15]
+    assert decisions <= elapsed / 0.6 + 1
+    cheap, cheap_elapsed = planned[0.0]
+    assert cheap > cheap_elapsed / 0.2  # its ticks, and states of new pressure between them
+
+
 def test_windows_replay_on_one_cluster_and_a_rest_waits_until_the_pressure_actions_are_undone(tmp_path):
     fleet = read_fleet(write_fleet(tmp_path, pages=720))
     settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),

@@ -70,8 +70,14 @@ gpu-site:
 	@if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile \
 		--no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
 
+# Cold Triton compiles and tuning are most of tests/gpu's time, and they are CPU work: on the GPU machine's 16
+# cores one process ran 53 of its 90 tests in about 9 minutes (docs/benchmarks.md, "The third H100"), so the
+# tests spread over GPU_TEST_WORKERS processes (pytest-xdist; 0 runs them in one). What they tune, timed side by
+# side, goes to a cache of their own, so that a benchmark run after them on the machine tunes afresh.
+GPU_TEST_WORKERS ?= 8
 test-gpu: gpu-site
-	MORPHLING_GPU_TESTS=1 $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+	MORPHLING_GPU_TESTS=1 MORPHLING_TUNING_CACHE=/tmp/morphling-test-tuning $(GPU_PY) -m pytest -q \
+		-p no:cacheprovider -n $(GPU_TEST_WORKERS) --durations=20 tests/gpu
 
 profile-gpu: gpu-site
 	$(GPU_PY) -m services.cli profile --latency --device cuda --shape llama-3-8b $(LATENCY_GRID) \

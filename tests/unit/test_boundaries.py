@@ -22,7 +22,7 @@ from shared.config import PROJECT_ROOT
 SERVICES = PROJECT_ROOT / "services"
 PACKAGES = sorted(p.name for p in SERVICES.iterdir() if (p / "__init__.py").exists())
 SIMULATED_PARTS = {
-    "services.gateway.router", "services.monitor.aggregate", "services.monitor.held",
+    "services.gateway.router", "services.monitor.aggregate", "services.monitor.held", "services.monitor.pace",
     "services.controller.dispatch", "services.controller.loop",
     "services.controller.policies", "services.controller.policies.interface", "services.controller.policies.ladder",
     "services.executor.engine.errors", "services.executor.engine.memory.block_manager",

@@ -137,6 +137,7 @@ if _HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_begin = pid_k * chunks_per_split * BLOCK_K
         k_end = tl.minimum(k_begin + chunks_per_split * BLOCK_K, K)
+        exact: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
         # K is a whole number of groups, hence of chunks: no K mask.
         for k0 in range(k_begin, k_end, BLOCK_K):
             x = tl.load(
@@ -148,7 +149,6 @@ if _HAS_TRITON:
             x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
             lo, hi = _dequant_chunk(p_ptr, s_ptr, z_ptr, rn, n_mask, k0, group_size, stride_pn, stride_pk,
                                     stride_sn, stride_sg, stride_zn, stride_zg, BLOCK_K // 2)
-            exact = x_ptr.dtype.element_ty == tl.float32
             acc += gemv_sum(x_even, lo, exact)
             acc += gemv_sum(x_odd, hi, exact)
 

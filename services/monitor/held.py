@@ -45,6 +45,11 @@ class HeldReports(Generic[Report]):
         self._last[executor] = (instance, pressure)
         return pressure_since(pressure, instance, earlier_instance, before) > 0
 
+    def arrived(self, executor: str) -> float | None:
+        """When `executor`'s held report came; None when none is held."""
+        held = self._held.get(executor)
+        return None if held is None else held.arrived
+
     def take(self) -> dict[str, HeldReport[Report]]:
         """Every executor's held report since the last call, which empties the hold."""
         held, self._held = self._held, {}

@@ -202,6 +202,11 @@ class MonitorService:
         try:
             await self._bus.request(subjects.command(executor), ping, CommandResult, timeout=PROBE_TIMEOUT_S)
         except NoResponders:
+            # A report held for the next tick is not in the view yet: one that came while the ping was out says
+            # the process is there, only it was slow (a stalled loop), and must win as a judged one would.
+            arrived = self._held.arrived(executor)
+            if arrived is not None and arrived >= checked_at:
+                return
             log.warning("executor %s is silent and nothing answers on its subjects: its process is gone", executor)
             self.view.mark_gone(executor, checked_at)
         except BusError:  # unanswered: stalled, or the bus itself is down; silence alone decides then

@@ -2,10 +2,11 @@
 new pressure and held, the latest per executor; at the tick that one is validated and taken into the view, with the
 finished requests of every report it replaced. Driven here without a bus: bodies in, the view out."""
 
+import asyncio
 import time
 
 from services.monitor.service import MonitorService
-from shared.bus import unpack, encode
+from shared.bus import NoResponders, unpack, encode
 from shared.config import MonitorConfig
 from shared.messages import RequestLatency
 from tests.unit.test_monitor_aggregate import telemetry
@@ -50,3 +51,39 @@ def test_a_report_that_does_not_validate_is_dropped_at_the_tick_and_the_others_a
     monitor._on_report("morphling.telemetry.b", body("b", 1.0))
     monitor._judge_held()
     assert [e.executor for e in monitor.view.state(time.time()).executors] == ["b"]
+
+
+class _NobodyAnswers:
+    """A bus on which no executor subscribes to its command subject, while `meanwhile` runs before it says so."""
+
+    def __init__(self, meanwhile):
+        self.meanwhile = meanwhile
+
+    async def request(self, subject, *args, **kwargs):
+        self.meanwhile()
+        raise NoResponders(subject, "no responders")
+
+
+def test_a_report_that_comes_while_the_ping_is_out_keeps_a_silent_executor_alive():
+    # A stalled executor (or a stalled monitor) looks silent; its report that arrives while the monitor's ping
+    # is out is held for the next tick, and it must win over the "no responders" as a judged one would.
+    monitor = MonitorService(MonitorConfig())
+    monitor._on_report("morphling.telemetry.a", body("a", 1.0))
+    monitor._judge_held()
+    assert monitor.view.transitions(time.time()) == [("a", "up")]
+    monitor._bus = _NobodyAnswers(lambda: monitor._on_report("morphling.telemetry.a", body("a", 2.0)))
+    asyncio.run(monitor._probe("a"))
+    assert monitor.view.state(time.time()).executors[0].alive
+    monitor._judge_held()
+    assert monitor.view.transitions(time.time()) == []  # no down and up again
+
+
+def test_an_executor_nobody_answers_for_is_dead_at_once():
+    monitor = MonitorService(MonitorConfig())
+    monitor._on_report("morphling.telemetry.a", body("a", 1.0))
+    monitor._judge_held()
+    monitor.view.transitions(time.time())
+    monitor._bus = _NobodyAnswers(lambda: None)
+    asyncio.run(monitor._probe("a"))
+    assert not monitor.view.state(time.time()).executors[0].alive
+    assert monitor.view.transitions(time.time()) == [("a", "down")]

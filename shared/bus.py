@@ -317,9 +317,9 @@ class Bus:
             timer.cancel()
         self._outage_timers = []
 
-    def _outgoing(self, subject: str, message: Message, ctx: otel_context.Context | None
+    def _outgoing(self, subject: str, data: bytes, ctx: otel_context.Context | None
                   ) -> tuple[bytes, dict[str, str] | None]:
-        data, headers = encode(message), inject_headers(ctx) or None
+        headers = inject_headers(ctx) or None
         size = len(data) + header_bytes(headers)
         if size > self.max_payload:
             raise PayloadTooLarge(subject, size, self.max_payload)
@@ -329,7 +329,15 @@ class Bus:
         """Send `message`. While reconnecting, nats-py keeps it for the reconnect until its buffer is full;
         then, and on a closed connection, BusUnavailable. PayloadTooLarge for a message the server would
         refuse."""
-        data, headers = self._outgoing(subject, message, ctx)
+        await self._send(subject, encode(message), ctx)
+
+    async def publish_body(self, subject: str, body: dict) -> None:
+        """Send a message's body as its model_dump(mode="json") has it, for a sender that has it already
+        (`publish` otherwise); as `publish`, with no trace context."""
+        await self._send(subject, msgpack.packb(body, use_bin_type=True), None)
+
+    async def _send(self, subject: str, data: bytes, ctx: otel_context.Context | None) -> None:
+        data, headers = self._outgoing(subject, data, ctx)
         with sending(subject, self.max_payload):
             await self._nc.publish(subject, data, headers=headers)
 
@@ -339,7 +347,7 @@ class Bus:
         BusUnavailable when none comes. With `give_up_on_disconnect`, a connection that is down, or drops
         before the answer, ends the wait at once (BusUnavailable) instead of the request waiting out its
         timeout for a reconnect."""
-        data, headers = self._outgoing(subject, message, ctx)
+        data, headers = self._outgoing(subject, encode(message), ctx)
         try:
             with sending(subject, self.max_payload):
                 call = self._nc.request(subject, data, timeout=timeout, headers=headers)

@@ -3,12 +3,17 @@ new pressure and held, the latest per executor; at the tick that one is validate
 finished requests of every report it replaced. Driven here without a bus: bodies in, the view out."""
 
 import asyncio
+import random
 import time
 
-from services.monitor.service import MonitorService
-from shared.bus import NoResponders, unpack, encode
+import msgpack
+
+from services.bench.bus_load import SyntheticExecutor
+from services.monitor.service import MonitorService, state_body
+from shared.bus import NoResponders, decode, unpack, encode
 from shared.config import MonitorConfig
-from shared.messages import RequestLatency
+from shared.messages import ClusterState, RequestLatency
+from shared.plans import tp_plans
 from tests.unit.test_monitor_aggregate import telemetry
 
 
@@ -51,6 +56,27 @@ def test_a_report_that_does_not_validate_is_dropped_at_the_tick_and_the_others_a
     monitor._on_report("morphling.telemetry.b", body("b", 1.0))
     monitor._judge_held()
     assert [e.executor for e in monitor.view.state(time.time()).executors] == ["b"]
+
+
+def test_the_state_sent_with_the_reports_bodies_is_the_state_of_the_view():
+    monitor = MonitorService(MonitorConfig())
+    done = RequestLatency(ttft_s=0.5, tpot_s=0.05)
+    plan = tp_plans(["c", "d"], 2, 4)[0]
+    busy = SyntheticExecutor("e", random.Random(0)).telemetry(1.0)
+    minimal = body("b", 1.0)
+    for field in ("draining", "gpu", "plan", "requests", "world", "kv_units", "busy", "rejected"):
+        minimal.pop(field)  # a report may leave out what has a default
+    minimal["time"] = 1  # and give a float as an int
+    for subject, report in [("a", body("a", 1.0, requests=[done])), ("a", body("a", 1.1, requests=[done, done])),
+                            ("b", minimal), ("c", body("c", 1.0, plan=plan)), ("d", body("d", 1.0, plan=plan)),
+                            ("e", unpack(encode(busy)))]:
+        monitor._on_report(f"morphling.telemetry.{subject}", report)
+    monitor._judge_held()
+    now = time.time()
+    state = monitor.view.state(now)
+    assert [e.executor for e in state.executors] == ["a", "b", "c", "d", "e"] and state.instances == [plan]
+    sent = msgpack.packb(state_body(state, monitor._bodies), use_bin_type=True)
+    assert decode(sent, ClusterState) == state
 
 
 class _NobodyAnswers:

@@ -9,8 +9,13 @@
    fit; a rule that only changes one unit's bits is the nums = 0 case. The best improving rule is applied
    until none improves the objective or the time is up. Every stage's rules are tried, not only the
    straggler's: at these sizes that costs milliseconds, and it can only do better.
+3. Where no rule improves, two units' bits changed at once (`_pairs`), the best improving pair taken, then the
+   rules again. Not in the paper: under a quality budget (Σω) or a full device, lowering a slow unit's bits
+   may only fit with another unit's raised, which no single rule does, and the rules stopped up to 75% above
+   the optimum on random small problems (docs/splitquant.md, "Heuristic").
 """
 
+import itertools
 import time
 
 from shared.planner.ilp import Solution
@@ -125,14 +130,36 @@ def _neighbours(problem: Problem, current: Assignment):
                         yield tuple(trial)
 
 
+def _pairs(problem: Problem, current: Assignment):
+    """Two units' bits changed at once, each where it lies."""
+    n_k = len(problem.bits)
+    for u, v in itertools.combinations(range(len(current)), 2):
+        (ju, ku), (jv, kv) = current[u], current[v]
+        for bu, bv in itertools.product(range(n_k), repeat=2):
+            if bu != ku and bv != kv:
+                trial = list(current)
+                trial[u], trial[v] = (ju, bu), (jv, bv)
+                yield tuple(trial)
+
+
+def _best(problem: Problem, trials, score: float, deadline: float) -> tuple[Assignment | None, float]:
+    """The feasible trial of the lowest objective below `score`, if any, looked for until `deadline`."""
+    best, best_score = None, score
+    for trial in trials:
+        if time.perf_counter() >= deadline:
+            break
+        e = evaluate(problem, trial)
+        if e.feasible and e.objective < best_score - 1e-12:
+            best, best_score = trial, e.objective
+    return best, best_score
+
+
 def transfer(problem: Problem, start: Assignment, deadline: float) -> Assignment:
     current, score = start, evaluate(problem, start).objective
     while time.perf_counter() < deadline:
-        best, best_score = None, score
-        for trial in _neighbours(problem, current):
-            e = evaluate(problem, trial)
-            if e.feasible and e.objective < best_score - 1e-12:
-                best, best_score = trial, e.objective
+        best, best_score = _best(problem, _neighbours(problem, current), score, deadline)
+        if best is None:
+            best, best_score = _best(problem, _pairs(problem, current), score, deadline)
         if best is None:
             break
         current, score = best, best_score

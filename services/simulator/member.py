@@ -36,8 +36,7 @@ class MemberArena:
         self.held, self.layer_bits = keep, list(bits)
 
     def map_blocks(self, count: int) -> None:
-        while len(self.mapped) < count:
-            self.mapped.append(self.ledger.allocate())
+        self.mapped.extend(self.ledger.allocate_many(max(0, count - len(self.mapped))))
 
     def unmap_blocks(self, count: int) -> None:
         for page in self.mapped[count:]:

@@ -94,7 +94,7 @@ class SimTpInstance:
         """Give `seq` the same number of blocks in `target`, freeing those it had in `source`."""
         count = len(seq.block_table)
         source.free(seq)
-        seq.block_table = [target.ledger.allocate() for _ in range(count)]
+        seq.block_table = target.ledger.allocate_many(count)
 
     def freed_pages(self, member: str) -> int:
         return self.freed[member]

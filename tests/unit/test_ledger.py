@@ -61,8 +61,22 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.ledger.allocate()
             return
         page = self.ledger.allocate()
-        assert page not in self.refs and page not in self.slot
+        assert page == max(self._free())  # highest first
         self.refs[page] = 1
+
+    @rule(count=st.integers(0, 20))
+    def allocate_many(self, count):
+        free = self._free()
+        if count > len(free):
+            with pytest.raises(LedgerError):
+                self.ledger.allocate_many(count)
+            return
+        pages = self.ledger.allocate_many(count)
+        assert pages == sorted(free, reverse=True)[:count]  # what `count` allocate calls take
+        self.refs.update(dict.fromkeys(pages, 1))
+
+    def _free(self) -> set[int]:
+        return set(range(24)) - self.slot - self.absent - set(self.refs)
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
@@ -101,21 +115,26 @@ class LedgerMachine(RuleBasedStateMachine):
             with pytest.raises(LedgerError):
                 self.ledger.decref(page)
 
-    @precondition(lambda self: self.slot)
-    @rule()
-    def release_slot_tail(self):
-        tail = max(self.slot)
-        self.ledger.release_slot_pages(0, range(tail, tail + 1))
-        self.slot.discard(tail)
-
-    @rule(page=st.integers(0, 23))
-    def withdraw(self, page):
-        if page in self.refs or page in self.slot or page in self.absent:
+    @rule(start=st.integers(-2, 25), length=st.integers(0, 4), descending=st.booleans())
+    def release_slot_pages(self, start, length, descending):
+        pages = range(start, start + length)
+        pages = pages[::-1] if descending else pages
+        if not self.slot.issuperset(pages):
             with pytest.raises(LedgerError):
-                self.ledger.withdraw(range(page, page + 1))
+                self.ledger.release_slot_pages(0, pages)
         else:
-            self.ledger.withdraw(range(page, page + 1))
-            self.absent.add(page)
+            self.ledger.release_slot_pages(0, pages)
+            self.slot.difference_update(pages)
+
+    @rule(start=st.integers(-2, 25), length=st.integers(0, 4))
+    def withdraw(self, start, length):
+        pages = range(start, start + length)
+        if not self._free().issuperset(pages):
+            with pytest.raises(LedgerError):
+                self.ledger.withdraw(pages)
+        else:
+            self.ledger.withdraw(pages)
+            self.absent.update(pages)
 
     @rule(page=st.integers(0, 23))
     def reinstate(self, page):

@@ -147,8 +147,7 @@ class InstanceMember:
 
     def map_blocks(self, count: int) -> None:
         """Back blocks up to `count` with pages of ours (fresh blocks are zeroed when first used)."""
-        while len(self.page_of) < count:
-            self.page_of.append(self.arena.ledger.allocate())
+        self.page_of.extend(self.arena.ledger.allocate_many(max(0, count - len(self.page_of))))
         self.pages = torch.tensor(self.page_of, dtype=torch.int64, device=self.device)
 
     def unmap_blocks(self, count: int) -> None:

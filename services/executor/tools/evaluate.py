@@ -111,7 +111,7 @@ def window_nll(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[1:] given their prefixes, run as one prefill, and its count."""
     bs, device = engine.config.block_size, engine.config.device
     ledger = engine.arena.ledger
-    pages = [ledger.allocate() for _ in range(-(-len(ids) // bs))]
+    pages = ledger.allocate_many(-(-len(ids) // bs))
     try:
         table = torch.tensor(pages, dtype=torch.int32, device=device)
         slots = [pages[p // bs] * bs + p % bs for p in range(len(ids))]

@@ -44,8 +44,7 @@ class PageLedger:
         # slot_of[p] = layer whose weight slot holds page p, or None for a KV page
         self._slot_of: list[int | None] = [None] * num_pages
         self._refcount = [0] * num_pages
-        self._free_heap = [-p for p in range(num_pages)]  # max-heap by page id
-        heapq.heapify(self._free_heap)
+        self._free_heap = list(range(1 - num_pages, 1))  # max-heap by page id (ascending: a heap as it is)
         self._free = set(range(num_pages))
         self._was_slot = [False] * num_pages  # has this page ever been part of a slot
         self._extension = 0  # pages once in a slot and now not: counted as they move, since telemetry asks often
@@ -72,14 +71,18 @@ class PageLedger:
 
     def release_slot_pages(self, layer: int, pages: range) -> None:
         """Turn pages of `layer`'s slot (its tail, after quantization) into free KV pages."""
+        pages = pages if pages.step > 0 else pages[::-1]
+        inside = not pages or (pages.start >= 0 and pages[-1] < self.num_pages)
+        span = slice(pages.start, pages.stop, pages.step)  # whole slices, as assign_slot
+        if not inside or self._slot_of[span].count(layer) != len(pages):
+            for p in pages:
+                self._check_page(p)
+                if self._slot_of[p] != layer:
+                    raise LedgerError(f"page {p} is not in layer {layer}'s slot (owner: {self._slot_of[p]})")
+        self._slot_of[span] = [None] * len(pages)
+        self._extension += len(pages)
+        self._free.update(pages)
         for p in pages:
-            self._check_page(p)
-            if self._slot_of[p] != layer:
-                raise LedgerError(f"page {p} is not in layer {layer}'s slot (owner: {self._slot_of[p]})")
-        for p in pages:
-            self._slot_of[p] = None
-            self._extension += 1
-            self._free.add(p)
             heapq.heappush(self._free_heap, -p)
         self._slot_pages -= len(pages)
 
@@ -89,13 +92,13 @@ class PageLedger:
     # --- absent pages -------------------------------------------------------------------------
     def withdraw(self, pages: range) -> None:
         """Take free KV pages out of use altogether (an instance's block ids no member can back now)."""
-        for p in pages:
-            self._check_page(p)
-            if p not in self._free:
-                raise LedgerError(f"page {p} cannot be withdrawn: it is not a free KV page")
-        for p in pages:
-            self._free.discard(p)
-            self._absent.add(p)
+        if not self._free.issuperset(pages):
+            for p in pages:
+                self._check_page(p)
+                if p not in self._free:
+                    raise LedgerError(f"page {p} cannot be withdrawn: it is not a free KV page")
+        self._free.difference_update(pages)  # their heap entries are stale now: allocate skips them
+        self._absent.update(pages)
 
     def reinstate(self, pages: range) -> None:
         """Bring withdrawn pages back as free KV pages."""
@@ -122,6 +125,19 @@ class PageLedger:
                 self._refcount[p] = 1
                 return p
         raise LedgerError("no free KV page")
+
+    def allocate_many(self, count: int) -> list[int]:
+        """Take `count` free KV pages (refcount 1), the ones `count` calls of allocate would take, in their order;
+        LedgerError, and none taken, when fewer are free. An instance's members back thousands of blocks at once."""
+        if count > len(self._free):
+            raise LedgerError(f"{count} free KV pages wanted, {len(self._free)} free")
+        # allocate's order, since every free page has its heap entry; a sort beats nlargest past a few pages
+        pages = heapq.nlargest(count, self._free) if count < 16 else sorted(self._free, reverse=True)[:count]
+        self._free.difference_update(pages)
+        for p in pages:
+            self._refcount[p] = 1
+        self._compact_heap()
+        return pages
 
     def claim(self, page: int) -> None:
         """Take the free KV page `page` (refcount 1): a transformation that chose where its KV goes."""

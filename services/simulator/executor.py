@@ -205,7 +205,7 @@ class SimExecutor(MemberArena):
             batch, contexts = len(seqs), sum(base) + len(seqs)
             seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
-        return lambda step: self.group.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
+        return self.group.decode_timing(seqs, base)
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have

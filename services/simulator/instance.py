@@ -23,6 +23,8 @@ A step, segment by segment (shared/plans.segments), as the fabric runs it:
 - then the rest of a step on the leader (the speed-up profile's overhead line).
 """
 
+from collections.abc import Callable
+
 from services.executor.engine.errors import OutOfPagesError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
@@ -154,6 +156,54 @@ class SimInstance:
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         busy[leader] = seconds
         return seconds, busy
+
+    def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens
+        computed plus `step`: the same sums in the same order, to the float, without building each step's chunks
+        (a third of a thousand-executor CoCoServe run's steps). A run's sequences keep their replicas
+        (assign_replicas), so who computes which rows is settled at its first step, as step_seconds settles it."""
+        spec, leader = self.leader.spec, self.plan.leader
+        shape, ids = self.leader.shape, [seq.request_id for seq in seqs]
+        hops: dict[int, float] = {}
+        parts = []  # per segment: (member, its sequences, their base tokens summed, bits counts, hop there and back)
+        for index, (segment, bits) in enumerate(self.parts):
+            if len(segment.placement) == 1:
+                owners = {segment.placement[0]: range(len(seqs))}
+            else:
+                sticky = self.sticky.setdefault(index, {})
+                owner = assign_replicas([(request_id, 1) for request_id in ids], segment.placement, sticky)
+                sticky.update(owner)
+                owners = {m: [k for k, request_id in enumerate(ids) if owner[request_id] == m]
+                          for m in segment.placement}
+            row = []
+            for name, mine in owners.items():
+                batch = len(mine)
+                if name != leader and batch and batch not in hops:
+                    hops[batch] = costs.hop_seconds(spec, costs.hidden_bytes(shape, spec.dtype_bytes, batch))
+                travel = 2 * hops[batch] if name != leader and batch else 0.0
+                row.append((name, self.members[name].spec.latency.decode, batch, sum(base[k] for k in mine), bits,
+                            travel))
+            parts.append(row)
+        overhead = spec.overhead.at(len(seqs))
+
+        def timing(step: int) -> tuple[float, dict[str, float]]:
+            busy = dict.fromkeys(self.members, 0.0)
+            seconds = 0.0
+            for row in parts:
+                longest = 0.0
+                for name, decode, batch, base_tokens, bits, travel in row:
+                    if batch:
+                        context = int((base_tokens + batch * (step + 1)) / batch)
+                        compute = sum(layers * decode(b, batch, context) for b, layers in bits)
+                    else:
+                        compute = 0.0
+                    busy[name] += compute
+                    longest = max(longest, compute + travel)
+                seconds += longest
+            seconds += overhead
+            busy[leader] = seconds
+            return seconds, busy
+        return timing
 
 
 def _parts(plan: InstancePlan) -> list[tuple[Segment, tuple[tuple[int, int], ...]]]:

@@ -115,6 +115,10 @@ class SimTpInstance:
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         return seconds, dict.fromkeys(self.members, seconds)
 
+    def decode_timing(self, seqs: list, base: list[int]):
+        """step_seconds of a decode run's step-th step (decode_run.py), from its chunks."""
+        return lambda step: self.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
+
     # --- the split --------------------------------------------------------------------------------
     def split(self) -> tuple[dict, float]:
         """Back to executors serving alone; SimulatedTpRefusal, nothing changed, where a member cannot back the

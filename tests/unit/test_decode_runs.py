@@ -18,7 +18,9 @@ from services.simulator import costs, decode_run
 from services.simulator.cluster import SimSettings, Simulation
 from services.simulator.executor import SimExecutor, SimRequest
 from services.simulator.fleet import read_fleet
+from services.simulator.instance import _parts
 from shared.config import ControllerConfig
+from shared.messages import EvictArgs, ReplicateArgs
 from shared.planner.latency import FittedLatency
 from shared.sampling import SamplingOptions
 
@@ -28,17 +30,18 @@ SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_
          "dtype_bytes": 4, "num_layers": 30}
 
 
-def write_fleet(tmp_path: Path, kv_pages: int, count: int) -> Path:
+def write_fleet(tmp_path: Path, kv_pages: int, count: int, hop_s: float = 0.0) -> Path:
     """cpu executors with `kv_pages` pages for KV at full precision, a decode layer of 1 ms (at 16 bits; b/16 of
-    it at b) + 0.1 ms a sequence + 2 µs a sequence's token of context + 1 µs a token of mean context, and a step
-    overhead of 5 ms + 0.3 ms a token."""
+    it at b) + 0.1 ms a sequence + 2 µs a sequence's token of context + 1 µs a token of mean context, a step
+    overhead of 5 ms + 0.3 ms a token, and `hop_s` a hop plus 1 ns a byte when it is not 0."""
     fitted = FittedLatency("cpu", SHAPE, {"prefill": {b: [0.002, 0.0001, 1e-5, 1e-6, 0.0] for b in (16, 8, 4)},
                                           "decode": {b: [0.001 * b / 16, 1e-4, 2e-6, 1e-6] for b in (16, 8, 4)}})
     (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))
     (tmp_path / "speedup.json").write_text(json.dumps({
         "kind": "speedup-profile", "model": "default", "device": "cpu", "threads": 1, "num_layers": 30,
         "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
-        "hop": {"intercept_s": 0.0, "per_byte_s": 0.0}, "step_overhead": {"intercept_s": 0.005, "per_token_s": 3e-4}}))
+        "hop": {"intercept_s": hop_s, "per_byte_s": 1e-9 if hop_s else 0.0},
+        "step_overhead": {"intercept_s": 0.005, "per_token_s": 3e-4}}))
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps({
         "model": "default", "swap_s_per_layer": {"quantize": 0.004, "restore": 0.003},
@@ -139,6 +142,31 @@ def test_a_decode_steps_seconds_are_the_cost_models_to_the_float(tmp_path):
     bits = [16] * 10 + [8] * 12 + [4] * 8
     context = sum(s.num_computed + 1 for s in seqs) / 3
     assert costs.decode_step_seconds(spec, bits, 3)(int(context)) == costs.step_seconds(spec, bits, decodes(seqs))
+
+
+def test_an_instances_decode_run_steps_are_its_step_seconds_to_the_float(tmp_path):
+    """Layers 0-9 on the leader, 10-19 replicated on both, 20-29 on the other member, two of them at 8 bits: a
+    run's step, each replica's rows and every member's busy time, as step_seconds gives them from the chunks."""
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages=64, count=2, hop_s=2e-4))
+    instance = Simulation(fleet, SimSettings(spare=True)).executors["exec0"].group
+    instance.reshape(ReplicateArgs(instance="i0", layers=[10, 29], to="exec1"))
+    instance.reshape(EvictArgs(instance="i0", layers=[20, 29], **{"from": "exec0"}))
+    instance.plan.layers[3].bits = instance.plan.layers[25].bits = 8
+    instance.parts = _parts(instance.plan)
+    seqs = []
+    for index, prompt in enumerate((17, 100, 301, 5, 64)):
+        seq = Sequence(str(index), 0, [0] * prompt, SamplingOptions(max_tokens=50), 0.0)
+        seq.output_ids, seq.num_computed = [0], prompt
+        seqs.append(seq)
+    instance.sticky.setdefault(1, {})["3"] = "exec1"  # one already has its replica: the others fill around it
+    base = [s.num_computed for s in seqs]
+    timing = instance.decode_timing(seqs, base)
+    for step in range(6):
+        seconds, busy = timing(step)
+        assert (seconds, busy) == instance.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
+        assert 0 < busy["exec1"] < seconds
+    assert instance.parts[1][0].placement == ("exec0", "exec1")
+    assert set(instance.sticky[1].values()) == {"exec0", "exec1"}  # both replicas computed rows
 
 
 def ten_ms_steps(seqs, base):

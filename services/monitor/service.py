@@ -19,7 +19,7 @@ a report that a newer one replaces costs ~10-15 us instead of ~25, so a backlog 
 work per tick is bounded by the executors, not by the reports. The smoothing is time-aware, so skipping a report
 within one tick changes its weights, not its half-life. The state goes out with each executor's telemetry as its
 report's body came (validated, its finished requests taken out), not dumped again from the model: the
-telemetry is most of a state, and dumping it a third of what a state cost (state_body).
+telemetry is most of a state, and dumping it again a quarter of what a state cost (state_body).
 
 It also has JetStream keep the events subject (MonitorConfig.events), since it is the one process
 every deployment runs and starts first: what the controller and the monitor decided, and why, can
@@ -220,7 +220,7 @@ class MonitorService:
 def state_body(state: ClusterState, bodies: dict[str, dict]) -> dict:
     """`state` as sent, each executor's telemetry the body of its report (`bodies`) rather than the model dumped
     again. A receiver validates it into the same ClusterState: the body validated into that model, and a model's
-    dump validates back into itself. At 1,000 executors: 14 ms against 26 (this CPU, docs/benchmarks.md)."""
+    dump validates back into itself. At 1,000 executors: 20 ms against 39 to encode (this CPU, docs/benchmarks.md)."""
     body = state.model_dump(mode="json", exclude={"executors": {"__all__": {"telemetry"}}})
     for executor in body["executors"]:
         executor["telemetry"] = bodies[executor["executor"]]

@@ -159,13 +159,13 @@ class SimInstance:
 
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
         """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens
-        computed plus `step`: the same sums in the same order, to the float, without building each step's chunks
-        (a third of a thousand-executor CoCoServe run's steps). A run's sequences keep their replicas
-        (assign_replicas), so who computes which rows is settled at its first step, as step_seconds settles it."""
+        computed plus `step`: the same sums in the same order, to the float, without building each step's chunks.
+        A run's sequences keep their replicas (assign_replicas), so who computes which rows is settled at its first
+        step, as step_seconds settles it."""
         spec, leader = self.leader.spec, self.plan.leader
         shape, ids = self.leader.shape, [seq.request_id for seq in seqs]
         hops: dict[int, float] = {}
-        parts = []  # per segment: (member, its sequences, their base tokens summed, bits counts, hop there and back)
+        parts = []  # per segment, per member: (name, its decode latency, batch, base tokens summed, bits, hops)
         for index, (segment, bits) in enumerate(self.parts):
             if len(segment.placement) == 1:
                 owners = {segment.placement[0]: range(len(seqs))}

@@ -109,7 +109,7 @@ def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, flee
     replicate, migrate, evict and batch, a merge and its split) cut them, the drain's cancels cut them, short
     pages stop them before a preemption; an instance's run marks its members busy as its steps would."""
     count, kv_pages, levers = fleet
-    fleet = read_fleet(write_fleet(tmp_path, kv_pages, count))
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages, count, hop_s=2e-4))
     runs, single = (seen(*replay(fleet, arrivals, flag, levers, drain_s)) for flag in (True, False))
     assert runs == single
 

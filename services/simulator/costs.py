@@ -54,12 +54,13 @@ def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence
 def decode_step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], batch: int) -> Callable[[int], float]:
     """step_seconds of `batch` decodes, by their mean context in tokens: a decode run's steps (decode_run.py),
     which differ in nothing else. The same sums in the same order, to the float, without the chunks."""
-    groups, decode, overhead = bits_count(layer_bits), spec.latency.decode, spec.overhead.at(batch)
+    lines = [(layers, spec.latency.decode_line(bits, batch)) for bits, layers in bits_count(layer_bits)]
+    overhead = spec.overhead.at(batch)
 
     def seconds(context: int) -> float:
         layers_s = 0
-        for bits, layers in groups:
-            layers_s += layers * decode(bits, batch, context)
+        for layers, decode in lines:
+            layers_s += layers * decode(context)
         return layers_s + overhead
     return seconds
 

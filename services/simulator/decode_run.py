@@ -21,6 +21,7 @@ Simulated sequences never fork (every request is n=1), so no block is shared and
 a decode's pages are the block its next token opens, or none.
 """
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,12 @@ class DecodeRun:
 
     def start_of(self, step: int) -> float:
         return self.began if step == 0 else self.ends[step - 1]
+
+    def begun_by(self, now: float) -> int:
+        """How many of its steps have begun by `now`."""
+        if now < self.began:
+            return 0
+        return 1 + bisect.bisect_right(self.ends, now, 0, len(self.ends) - 1)
 
     def cut(self) -> bool:
         """End the run with the step in flight (settled: every earlier one has finished); False when that was its

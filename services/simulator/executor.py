@@ -85,10 +85,11 @@ class SimRequest:
 
 class SimExecutor(MemberArena):
     def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
-                 in_world: bool = False, decode_runs: bool = True):
+                 in_world: bool = False, decode_runs: bool = True, arenas: dict | None = None):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
         holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
-        (decode_run.py); without, every step is scheduled alone (the same results, slower)."""
+        (decode_run.py); without, every step is scheduled alone (the same results, slower). `arenas`: empty
+        arenas laid out before, shared by a fleet's executors (`_laid_out`)."""
         self.spec, self.id, self.shape = spec, spec.id, fleet.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
         block = self.limits.block_size
@@ -102,13 +103,11 @@ class SimExecutor(MemberArena):
             raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
                              f"{self.page_bytes} bytes; the layers and " + ("one block" if in_world else
                              f"one sequence of {self.max_model_len} tokens") + f" need {need}")
-        self.ledger = PageLedger(num_pages)
-        for layer in range(self.shape.num_layers):
-            self.ledger.assign_slot(layer, self._slot(layer))
+        self.ledger = self._laid_out(num_pages, static_bits, {} if arenas is None else arenas)
         self.blocks = BlockManager(self.ledger, block)
         self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,
                                    self.limits.max_waiting)
-        self.layer_bits = [FULL_BITS] * self.shape.num_layers
+        self.layer_bits = [static_bits] * self.shape.num_layers
         self.swap_order = list(range(self.shape.num_layers))
         self.instance = f"{self.id}@{started_s:g}"  # a process: a restart would be a new one
         self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
@@ -132,8 +131,21 @@ class SimExecutor(MemberArena):
         self.hold_until = 0.0  # a merged instance's leader: no split before
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         self.units_key: tuple | None = None  # what they were computed from
-        if static_bits != FULL_BITS:
-            self.set_bits(list(range(self.shape.num_layers)), static_bits)
+
+    def _laid_out(self, num_pages: int, bits: int, arenas: dict) -> PageLedger:
+        """An empty arena of `num_pages` with every layer's slot at `bits`, as set_bits leaves one started at full
+        precision: a copy of the one laid out alike in `arenas`, made there first (laying out a thousand alike
+        was half of a simulated fleet's set-up)."""
+        layout = (num_pages, self.shape.num_layers, self.slot_pages[FULL_BITS], self.slot_pages[bits])
+        if layout not in arenas:
+            ledger = PageLedger(num_pages)
+            for layer in range(self.shape.num_layers):
+                ledger.assign_slot(layer, self._slot(layer))
+            for layer in range(self.shape.num_layers):
+                _, release = slot_moves(self._slot(layer), self.slot_pages[FULL_BITS], self.slot_pages[bits])
+                ledger.release_slot_pages(layer, release)
+            arenas[layout] = ledger
+        return arenas[layout].copy()
 
     def join_world(self, names: list[str], bits: int) -> None:
         """One of the executors `names`, which can merge with each other, serving alone at `bits` as its own
@@ -214,13 +226,15 @@ class SimExecutor(MemberArena):
         if run is None:
             return
         ended, began = run.finished, run.started
-        while run.started < len(run.ends) and run.start_of(run.started) <= now:
-            while run.reserved < len(run.pages) and run.pages[run.reserved][0] == run.started:
-                i = run.pages[run.reserved][1]
-                self.blocks.reserve(run.seqs[i], run.base[i] + run.started + 1)
-                run.reserved += 1
-            self._members_busy(run.start_of(run.started), run.parts[run.started])
-            run.started += 1
+        started = max(began, run.begun_by(now))
+        while run.reserved < len(run.pages) and run.pages[run.reserved][0] < started:
+            step, i = run.pages[run.reserved]
+            self.blocks.reserve(run.seqs[i], run.base[i] + step + 1)
+            run.reserved += 1
+        if self.group is not None:
+            for step in range(began, started):
+                self._members_busy(run.start_of(step), run.parts[step])
+        run.started = started
         if began == 0 and run.started:
             self.busy.begin(run.began)
         run.finished = max(ended, run.started - 1)  # each step but the last begun ends where the next begins

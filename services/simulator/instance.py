@@ -165,7 +165,7 @@ class SimInstance:
         spec, leader = self.leader.spec, self.plan.leader
         shape, ids = self.leader.shape, [seq.request_id for seq in seqs]
         hops: dict[int, float] = {}
-        parts = []  # per segment, per member: (name, its decode latency, batch, base tokens summed, bits, hops)
+        parts = []  # per segment, per member: (name, batch, base tokens summed, (layers, decode line) by bits, hops)
         for index, (segment, bits) in enumerate(self.parts):
             if len(segment.placement) == 1:
                 owners = {segment.placement[0]: range(len(seqs))}
@@ -181,8 +181,9 @@ class SimInstance:
                 if name != leader and batch and batch not in hops:
                     hops[batch] = costs.hop_seconds(spec, costs.hidden_bytes(shape, spec.dtype_bytes, batch))
                 travel = 2 * hops[batch] if name != leader and batch else 0.0
-                row.append((name, self.members[name].spec.latency.decode, batch, sum(base[k] for k in mine), bits,
-                            travel))
+                latency = self.members[name].spec.latency
+                lines = [(layers, latency.decode_line(b, batch)) for b, layers in bits] if batch else []
+                row.append((name, batch, sum(base[k] for k in mine), lines, travel))
             parts.append(row)
         overhead = spec.overhead.at(len(seqs))
 
@@ -191,10 +192,10 @@ class SimInstance:
             seconds = 0.0
             for row in parts:
                 longest = 0.0
-                for name, decode, batch, base_tokens, bits, travel in row:
+                for name, batch, base_tokens, lines, travel in row:
                     if batch:
                         context = int((base_tokens + batch * (step + 1)) / batch)
-                        compute = sum(layers * decode(b, batch, context) for b, layers in bits)
+                        compute = sum(layers * decode(context) for layers, decode in lines)
                     else:
                         compute = 0.0
                     busy[name] += compute

@@ -142,12 +142,25 @@ class FittedLatency:
         past tokens each."""
         return self._predict("decode", bits, decode_features(batch, context))
 
+    def decode_line(self, bits: int, batch: int) -> Callable[[int], float]:
+        """decode(bits, batch, context) by the context alone, to the float (the same sum in the same order): a
+        simulated decode run asks step after step."""
+        one, per_seq, per_token, per_context = self._coefficients("decode", bits)
+        fixed = 0 + one * 1.0 + per_seq * float(batch)
+
+        def seconds(context: int) -> float:
+            return max(MIN_SECONDS, fixed + per_token * float(batch * context) + per_context * float(context))
+        return seconds
+
     def _predict(self, phase: str, bits: int, features: list[float]) -> float:
+        return max(MIN_SECONDS, sum(c * f for c, f in zip(self._coefficients(phase, bits), features)))
+
+    def _coefficients(self, phase: str, bits: int) -> list[float]:
         coefficients = self.coefficients[phase].get(bits)
         if coefficients is None:
             raise LatencyError(f"{self.device} has no {phase} latency at {bits} bits: profiled "
                                f"{sorted(self.coefficients[phase], reverse=True)}")
-        return max(MIN_SECONDS, sum(c * f for c, f in zip(coefficients, features)))
+        return coefficients
 
     def to_profile(self) -> dict:
         """The part of a latency-profile record that from_profile reads (JSON keys are strings)."""

@@ -14,6 +14,7 @@ GEMV kernels on these parts); a measured profile of a device (`morphling profile
 replaces this model for it.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.planner.devices import Device
@@ -57,3 +58,20 @@ class RooflineLatency:
         kv = 2 * batch * context * s.kv_size * self.full_bytes
         nbytes = weight_bytes(s, bits, self.full_bytes) + kv + self._hidden_bytes(batch)
         return self._time(flops, nbytes)
+
+    def decode_line(self, bits: int, batch: int) -> Callable[[int], float]:
+        """decode(bits, batch, context) by the context alone, to the float: the terms that do not change from one
+        step to the next counted once (a simulated decode run asks step after step; weighing INT4's groups each
+        time was a tenth of a thousand-executor run's loop)."""
+        s = self.shape
+        flops, flops_per_token = 2 * batch * s.layer_params, 4 * batch * s.q_size
+        weights, kv_per_token = weight_bytes(s, bits, self.full_bytes), 2 * batch * s.kv_size * self.full_bytes
+        hidden = self._hidden_bytes(batch)
+        compute_rate = self.device.fp16_flops * COMPUTE_EFFICIENCY
+        memory_rate = self.device.bandwidth * MEMORY_EFFICIENCY
+
+        def seconds(context: int) -> float:
+            compute = (flops + flops_per_token * context) / compute_rate
+            memory = (weights + kv_per_token * context + hidden) / memory_rate
+            return max(compute, memory) + LAYER_OVERHEAD_S
+        return seconds

@@ -21,7 +21,10 @@ from services.simulator.fleet import read_fleet
 from services.simulator.instance import _parts
 from shared.config import ControllerConfig
 from shared.messages import EvictArgs, ReplicateArgs
+from shared.planner.devices import DEVICES
 from shared.planner.latency import FittedLatency
+from shared.planner.roofline import RooflineLatency
+from shared.planner.shapes import SHAPES
 from shared.sampling import SamplingOptions
 
 PAGE = 737_280  # the default model's page: one 16-token block of every layer's KV, float32
@@ -142,6 +145,19 @@ def test_a_decode_steps_seconds_are_the_cost_models_to_the_float(tmp_path):
     bits = [16] * 10 + [8] * 12 + [4] * 8
     context = sum(s.num_computed + 1 for s in seqs) / 3
     assert costs.decode_step_seconds(spec, bits, 3)(int(context)) == costs.step_seconds(spec, bits, decodes(seqs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(device=st.sampled_from(["H100-80GB", "L4", "T4"]), model=st.sampled_from(["llama-3-8b", "smollm2-135m"]),
+       bits=st.sampled_from([16, 8, 4]), batch=st.integers(1, 512), context=st.integers(0, 131072),
+       coefficients=st.lists(st.floats(-1e-3, 1e-2, allow_subnormal=False), min_size=4, max_size=4))
+def test_a_decode_line_is_the_latency_models_decode_to_the_float(device, model, bits, batch, context, coefficients):
+    """A decode run times its steps by the context alone (decode_line): the roofline's and a fitted profile's,
+    each the model's own decode, bit for bit (a fit's negative terms included, which its floor catches)."""
+    fitted = FittedLatency("cpu", SHAPE, {"prefill": {b: [0.0] * 5 for b in (16, 8, 4)},
+                                          "decode": {b: coefficients for b in (16, 8, 4)}})
+    for latency in (RooflineLatency(DEVICES[device], SHAPES[model]), fitted):
+        assert latency.decode_line(bits, batch)(context) == latency.decode(bits, batch, context)
 
 
 def test_an_instances_decode_run_steps_are_its_step_seconds_to_the_float(tmp_path):

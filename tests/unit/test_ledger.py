@@ -53,6 +53,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.slot = set(range(0, 6))
         self.refs: dict[int, int] = {}
         self.absent: set[int] = set()
+        self.copied = None  # (the ledger copied, its snapshot and free pages then)
 
     @rule()
     def allocate(self):
@@ -173,6 +174,18 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.reset_kv(used)
             self.refs = dict(used)
         assert self.ledger.free_pages() == sorted(set(range(24)) - self.slot - self.absent - set(self.refs))
+
+    @rule()
+    def copy(self):
+        """Go on with a copy: it behaves as the ledger would have, and the ledger stays as it was."""
+        self.copied = (self.ledger, self.ledger.snapshot(), self.ledger.free_pages())
+        self.ledger = self.ledger.copy()
+
+    @invariant()
+    def the_copied_ledger_is_untouched(self):
+        if self.copied is not None:
+            ledger, snapshot, free = self.copied
+            assert ledger.snapshot() == snapshot and ledger.free_pages() == free
 
     @invariant()
     def adds_up(self):

@@ -107,6 +107,21 @@ def test_quantizing_a_layer_gives_its_slot_tail_to_the_kv_cache_and_restoring_ta
         executor.apply(RestoreArgs(layers=1))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_executors_started_at_low_bits_hold_copies_of_the_arena_a_whole_quantize_leaves(tmp_path, bits):
+    fleet = read_fleet(write_fleet(tmp_path, count=3))
+    arenas: dict = {}
+    started = [SimExecutor(spec, fleet, bits, arenas=arenas) for spec in fleet.executors]
+    quantized = SimExecutor(fleet.executors[0], fleet)
+    quantized.apply(QuantizeArgs(layers=30, bits=bits))
+    for executor in started:
+        assert executor.layer_bits == quantized.layer_bits
+        assert executor.ledger.snapshot() == quantized.ledger.snapshot()
+        assert executor.ledger.free_pages() == quantized.ledger.free_pages()
+    started[0].ledger.allocate()  # each its own
+    assert started[1].ledger.free_pages() == quantized.ledger.free_pages()
+
+
 def test_the_fleet_file_is_checked(tmp_path):
     good = json.loads(write_fleet(tmp_path).read_text())
     for broken, message in (({"model": "gpt-5"}, "unknown model"),

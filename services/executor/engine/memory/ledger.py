@@ -51,6 +51,13 @@ class PageLedger:
         self._slot_pages = 0
         self._absent: set[int] = set()  # withdrawn: neither KV nor slot until reinstated
 
+    def copy(self) -> "PageLedger":
+        """An independent ledger in this one's state: a simulated fleet lays out a thousand arenas alike."""
+        twin = object.__new__(PageLedger)
+        twin.__dict__ = {name: value.copy() if isinstance(value, (list, set, dict)) else value
+                         for name, value in self.__dict__.items()}
+        return twin
+
     # --- weight slots -------------------------------------------------------------------------
     def assign_slot(self, layer: int, pages: range) -> None:
         """Make `pages` (ascending) part of `layer`'s weight slot. Every page must be a free KV page."""

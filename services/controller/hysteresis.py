@@ -66,7 +66,7 @@ def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, ca
         state = replace(state, pressure_windows=0, calm_windows=state.calm_windows + 1)
     else:
         # A window between the marks breaks both runs: "consecutive" means consecutive.
-        return None, replace(state, pressure_windows=0, calm_windows=0)
+        return None, interrupted(state)
 
     want: Direction = "enter" if pressure else "leave"
     count = state.pressure_windows if pressure else state.calm_windows
@@ -79,6 +79,15 @@ def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, ca
         return None, state
     # Both runs restart, so the next step in the same direction needs a full run of its own.
     return want, HysteresisState(last_direction=want, last_change=now)
+
+
+def interrupted(state: HysteresisState) -> HysteresisState:
+    """After a window that breaks both runs (between the marks, or skipped): the time of the last step still
+    counts for the dwell. The same state where no run was going, as at most of a fleet's instances at most
+    states, where making a new one was a fifth of the controller's decision."""
+    if state.pressure_windows == 0 and state.calm_windows == 0:
+        return state
+    return replace(state, pressure_windows=0, calm_windows=0)
 
 
 class Hysteresis:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -148,7 +148,7 @@ def test_replicas_are_capped_by_the_members_spare_pages():
     # exec0 backs 150 pages outside its slots, exec1 170: 20 spare pages on exec1 (10 % of its arena), two
     # layers' worth, and the longest run it lacks is 0-4: it takes the start of that run.
     assert Driver(instance).run(10) == []  # at the default T_up of 20 %, 10 % vacant is not enough
-    lax = CocoSettings(**{**FAST.__dict__, "t_up": 0.05})
+    lax = replace(FAST, t_up=0.05)
     assert [c.args.layers for c in Driver(instance, lax).run(10)] == [[0, 1]]
 
 
@@ -166,7 +166,7 @@ def test_no_replica_where_the_model_predicts_no_gain():
     slow_hop = SpeedupProfile(model="m", device="cpu", threads=1, num_layers=8, hidden_size=64, dtype_bytes=4,
                               layer=Line(1e-3, 0.0), hop=Line(1.0, 0.0), step_overhead=Line(0.0, 0.0))
     for equation in ("eq4", "eq3"):
-        d = Driver(leader_and_spare(), CocoSettings(**{**FAST.__dict__, "equation": equation}), slow_hop)
+        d = Driver(leader_and_spare(), replace(FAST, equation=equation), slow_hop)
         assert d.run(20) == []
 
 
@@ -207,7 +207,7 @@ def test_scale_down_migrates_then_evicts_then_cuts_the_batch_one_step_per_enter(
 
 
 def test_scale_down_leaves_the_instance_alone_while_a_step_settles():
-    d = Driver(three_members(), CocoSettings(**{**FAST.__dict__, "settle_s": 3.0}))
+    d = Driver(three_members(), replace(FAST, settle_s=3.0))
     d.run(100, VIOLATING)
     times = [now for now, _ in d.log]
     assert len(times) >= 3 and all(b - a >= 3.0 - 1e-9 for a, b in zip(times, times[1:]))
@@ -219,7 +219,7 @@ def test_few_requests_are_neither_pressure_nor_calm_enough_to_replicate():
 
 def test_when_pressure_ends_the_batch_comes_back_then_the_migrations_in_reverse():
     instance = FakeInstance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
-    d = Driver(instance, CocoSettings(**{**FAST.__dict__, "mode": "scale-down", "step": 2}))
+    d = Driver(instance, replace(FAST, mode="scale-down", step=2))
     d.run(200, VIOLATING)
     down = [c.args for _, c in d.log]
     assert down == [MigrateArgs(instance="i0", layers=[6, 7], source="exec0", to="exec1"),
@@ -238,7 +238,7 @@ def test_when_pressure_ends_the_batch_comes_back_then_the_migrations_in_reverse(
 
 def test_a_step_back_waits_while_the_running_sequences_will_still_grow_past_the_kv():
     instance = FakeInstance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS))
-    d = Driver(instance, CocoSettings(**{**FAST.__dict__, "mode": "scale-down"}))
+    d = Driver(instance, replace(FAST, mode="scale-down"))
     d.run(200, VIOLATING)
     d.log.clear()
     # 160 blocks, 20 in use: 130 more still to be taken is more than the 10 % margin allows.
@@ -250,7 +250,7 @@ def test_a_step_back_waits_while_the_running_sequences_will_still_grow_past_the_
 
 def test_a_migration_back_needs_nothing_waiting_and_counts_the_kv_it_takes_back():
     instance = FakeInstance(instance_plan(["exec0", "exec1"], [["exec0"]] * LAYERS), cap=1)
-    d = Driver(instance, CocoSettings(**{**FAST.__dict__, "mode": "scale-down", "step": 4}))
+    d = Driver(instance, replace(FAST, mode="scale-down", step=4))
     d.run(50, VIOLATING)
     assert instance.blocks() == 160 and [c.args.kind for _, c in d.log] == ["migrate"]
     instance.waiting = 1
@@ -264,7 +264,7 @@ def test_a_migration_back_needs_nothing_waiting_and_counts_the_kv_it_takes_back(
 
 def test_no_replicas_come_back_while_the_batch_is_cut_or_within_the_dwell():
     instance = FakeInstance(instance_plan(["exec0", "exec1"], [["exec0"]] * 4 + [["exec1"]] * 4), cap=16)
-    d = Driver(instance, CocoSettings(**{**FAST.__dict__, "min_dwell_s": 4.0}))
+    d = Driver(instance, replace(FAST, min_dwell_s=4.0))
     d.run(10, VIOLATING)  # nothing to migrate or evict here: the batch is cut
     cuts = kinds(c for _, c in d.log)
     assert cuts and set(cuts) == {"batch"}
@@ -301,8 +301,8 @@ def test_an_instance_with_a_member_suspect_or_missing_gets_nothing():
 
 
 def test_modes_off_and_scale_down():
-    assert Driver(leader_and_spare(), CocoSettings(**{**FAST.__dict__, "mode": "off"})).run(50, VIOLATING) == []
-    assert Driver(leader_and_spare(), CocoSettings(**{**FAST.__dict__, "mode": "scale-down"})).run(50) == []
+    assert Driver(leader_and_spare(), replace(FAST, mode="off")).run(50, VIOLATING) == []
+    assert Driver(leader_and_spare(), replace(FAST, mode="scale-down")).run(50) == []
     assert settings_for_mode("default", t_up=0.3).t_up == 0.3
 
 
@@ -461,7 +461,7 @@ def can_evict(instance: FakeInstance) -> bool:
 def test_algorithm_2_never_takes_a_later_phase_while_an_earlier_one_can_act(layers, cap, load, step, delta_bs):
     placements = [[first, *[m for m in others if m != first]] for first, others in layers]
     fake = FakeInstance(instance_plan(MEMBERS, placements), cap=cap)
-    s = CocoSettings(**{**FAST.__dict__, "step": step, "delta_bs": delta_bs, "mode": "scale-down"})
+    s = replace(FAST, step=step, delta_bs=delta_bs, mode="scale-down")
     d = Driver(fake, s)
     original = cap
     for rate in load:

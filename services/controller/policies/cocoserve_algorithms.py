@@ -47,6 +47,7 @@ as it is: both members then compute it. Replicating (scale-up) waits while the b
 `min_dwell_s` after a scale-down step, as a restore does.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -116,11 +117,11 @@ class CocoSettings:
         HysteresisParams(self.enter_windows, self.leave_windows, self.min_dwell_s)  # validates
         HysteresisParams(self.up_windows, 1, 0.0)
 
-    @property
+    @functools.cached_property  # asked for every instance at every state
     def hysteresis(self) -> HysteresisParams:
         return HysteresisParams(self.enter_windows, self.leave_windows, self.min_dwell_s)
 
-    @property
+    @functools.cached_property
     def up_hysteresis(self) -> HysteresisParams:
         return HysteresisParams(self.up_windows, 1, 0.0)  # scale-up only ever enters; eviction is scale-down's
 

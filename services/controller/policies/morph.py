@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
-from services.controller.hysteresis import HysteresisParams, HysteresisState, advance
+from services.controller.hysteresis import HysteresisParams, HysteresisState, advance, interrupted
 from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, QuantizeArgs, RestoreArgs
@@ -293,9 +293,7 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
     seen = (t.instance, t.pressure_events)
     if not es.alive or t.draining:
-        # A skipped window breaks both runs; the time of the last step still counts for the dwell.
-        quiet = replace(memory.hysteresis, pressure_windows=0, calm_windows=0)
-        return [], ExecutorMemory(quiet, freed, seen)
+        return [], ExecutorMemory(interrupted(memory.hysteresis), freed, seen)  # a skipped window
     up = next_quantize(t.layers, settings, t.swap_order)
     down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always

@@ -415,14 +415,15 @@ class SimExecutor(MemberArena):
         leads = self.group is None or self.group.plan.leader == self.id
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         snap = self.ledger.snapshot()
+        # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once.
+        longest = max((len(s.prompt_ids) + s.params.max_tokens for s in waiting), default=0)
         return ExecutorTelemetry(
             executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
             block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self.kv_pages(snap),
             layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
             world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),
             spare_pages=self.ledger.num_free if self.group else 0,
-            longest_blocks=max((self.blocks_at_end(len(s.prompt_ids), s.params.max_tokens) for s in waiting),
-                               default=0),
+            longest_blocks=self.blocks_at_end(longest, 0) if longest else 0,
             merge_hold_s=max(0.0, self.hold_until - now) if self.group is not None else 0.0,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             max_waiting=self.limits.max_waiting, preemptions=self.scheduler.num_preemptions,

@@ -84,7 +84,7 @@ def advance(params: HysteresisParams, state: HysteresisState, pressure: bool, ca
 def interrupted(state: HysteresisState) -> HysteresisState:
     """After a window that breaks both runs (between the marks, or skipped): the time of the last step still
     counts for the dwell. The same state where no run was going, as at most of a fleet's instances at most
-    states, where making a new one was a fifth of the controller's decision."""
+    states: nothing is made anew."""
     if state.pressure_windows == 0 and state.calm_windows == 0:
         return state
     return replace(state, pressure_windows=0, calm_windows=0)

@@ -4,7 +4,7 @@ A fake executor applies the planned commands to its layers and KV capacity the w
 does (a quantized layer's slot tail becomes KV pages), so that the policy sees its own effects.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given
@@ -121,7 +121,7 @@ def test_pressure_events_wait_for_a_layer_to_quantize_and_never_skip_the_dwell_d
 
 
 def test_calm_restores_in_reverse_only_after_m_windows_and_the_dwell():
-    d = Driver(BASE_SETTINGS.__class__(**{**BASE_SETTINGS.__dict__, "min_dwell_s": 5.0}))
+    d = Driver(replace(BASE_SETTINGS, min_dwell_s=5.0))
     for _ in range(12):
         d.window(PRESSURE)
     last_quantize = d.log[-1][0]

@@ -24,7 +24,7 @@ from services.controller.policies.cocoserve_algorithms import (PHASE_NAMES, Coco
                                                                Step, batch_tokens, consecutive_runs, eligible_nodes,
                                                                instances, ranges, scale_down_step, scale_up,
                                                                settings_for_config, vacancy)
-from services.controller.policies.interface import PlannedCommand, Policy
+from services.controller.policies.interface import PlannedCommand, Policy, updated
 from shared.config import ControllerConfig
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs,
                              ReplicateArgs)
@@ -57,17 +57,9 @@ class CocoMemory:
     instances: dict[str, InstanceMemory] = field(default_factory=dict)
 
 
-def _updated(memory: InstanceMemory, **changes) -> InstanceMemory:
-    """replace, or the same memory where nothing changes: most instances at most states, where making new ones
-    was a fifth of the decision at a thousand executors."""
-    if all(getattr(memory, name) == value for name, value in changes.items()):
-        return memory
-    return replace(memory, **changes)
-
-
 def _quiet(memory: InstanceMemory) -> InstanceMemory:
     """A skipped window: both ladders' runs broken."""
-    return _updated(memory, pressure=interrupted(memory.pressure), idle=interrupted(memory.idle))
+    return updated(memory, pressure=interrupted(memory.pressure), idle=interrupted(memory.idle))
 
 
 def _still_away(plan: InstancePlan, migration: Migration) -> list[int]:
@@ -86,7 +78,7 @@ def _forget_done(memory: InstanceMemory, view: InstanceView, settings: CocoSetti
             and (memory.batch_target == original or stale)):
         original = None
     migrations = tuple(m for m in memory.migrations if _still_away(view.plan, m))
-    return _updated(memory, original_batch=original, migrations=migrations)
+    return updated(memory, original_batch=original, migrations=migrations)
 
 
 # --- stepping back -------------------------------------------------------------------------------------
@@ -223,14 +215,14 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
             and (slo.requests >= settings.min_requests or idle_leader)
             and release_ok(leader, settings, back.cost_pages))
     event, pressure = advance(settings.hysteresis, memory.pressure, down is not None, calm, now)
-    memory = _updated(memory, pressure=pressure)
+    memory = updated(memory, pressure=pressure)
     step = down if event == "enter" else back if event == "leave" else None
     if step is None:
         up_event, idle = advance(settings.up_hysteresis, memory.idle, grow is not None, False, now)
-        memory = _updated(memory, idle=idle)
+        memory = updated(memory, idle=idle)
         step = grow if up_event == "enter" else None
     else:
-        memory = _updated(memory, idle=interrupted(memory.idle))
+        memory = updated(memory, idle=interrupted(memory.idle))
     if step is None:
         return [], memory
     if step.phase == "batch" and memory.original_batch is None:

@@ -1,8 +1,8 @@
 """What every policy is: a pure function from the cluster state to the commands it wants sent."""
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, CommandArgs
@@ -20,3 +20,13 @@ class PlannedCommand:
 
 # (current state, earlier states oldest first, config) -> commands to send.
 Policy = Callable[[ClusterState, list[ClusterState], ControllerConfig], list[PlannedCommand]]
+
+Memory = TypeVar("Memory")
+
+
+def updated(memory: Memory, **changes) -> Memory:
+    """A policy's frozen memory with `changes`: the same one where nothing changes, as at most executors and
+    instances at most states, where making new ones was a fifth of a decision at a thousand executors."""
+    if all(getattr(memory, name) == value for name, value in changes.items()):
+        return memory
+    return replace(memory, **changes)

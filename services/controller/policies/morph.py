@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance, interrupted
-from services.controller.policies.interface import PlannedCommand, Policy
+from services.controller.policies.interface import PlannedCommand, Policy, updated
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, QuantizeArgs, RestoreArgs
 from shared.plans import leads
@@ -293,7 +293,8 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
     seen = (t.instance, t.pressure_events)
     if not es.alive or t.draining:
-        return [], _remembered(memory, interrupted(memory.hysteresis), freed, seen)  # a skipped window
+        skipped = interrupted(memory.hysteresis)  # a skipped window
+        return [], updated(memory, hysteresis=skipped, freed_pages=freed, pressure_seen=seen)
     up = next_quantize(t.layers, settings, t.swap_order)
     down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
@@ -313,15 +314,7 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     elif event == "leave":
         why = f"calm for {settings.leave_windows} windows: {load_summary(es, settings)}"
         commands.append(PlannedCommand(es.executor, RestoreArgs(layers=down), why, load_inputs(es, taken_back)))
-    return commands, _remembered(memory, hysteresis, freed, seen)
-
-
-def _remembered(memory: ExecutorMemory, hysteresis: HysteresisState, freed: dict[int, float],
-                seen: tuple[str, int]) -> ExecutorMemory:
-    """The memory for the next state: the same one where nothing changed (most executors at most states)."""
-    if (hysteresis, freed, seen) == (memory.hysteresis, memory.freed_pages, memory.pressure_seen):
-        return memory
-    return ExecutorMemory(hysteresis, freed, seen)
+    return commands, updated(memory, hysteresis=hysteresis, freed_pages=freed, pressure_seen=seen)
 
 
 def plan(state: ClusterState, memory: MorphMemory, settings: SettingsSource,

@@ -59,7 +59,7 @@ from services.simulator.fleet import Fleet
 from services.simulator.instance import SimInstance
 from services.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.messages import ClusterState, Event, ExecutorTelemetry, TpMergeArgs
+from shared.messages import ClusterState, Event, ExecutorTelemetry, InstancePlan, TpMergeArgs
 from shared.plans import parse_plans
 
 MODEL = "simulated"
@@ -114,11 +114,15 @@ class Simulation:
         self.worlds = [world for world in fleet.worlds() if len(world) > 1]
         in_world = {name for world in self.worlds for name in world}
         arenas: dict = {}  # empty arenas laid out: an executor's is a copy of the first laid out alike
+        plans = fleet.start_plans(settings.static_bits)
+        layouts = {name: tp.member_shape(fleet.shape, plan.tp, rank)
+                   for plan in plans for rank, name in enumerate(plan.members)}
         with _no_cycle_collection():  # a thousand arenas' lists: rescanned as they pile up, half of the set-up
             self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world,
-                                                decode_runs=settings.decode_runs, arenas=arenas)
+                                                decode_runs=settings.decode_runs, arenas=arenas,
+                                                layout=layouts.get(s.id))
                               for s in fleet.executors}
-            self._form_worlds()
+            self._form_worlds(plans)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
         self.view = ClusterView(settings.monitor)
@@ -146,11 +150,18 @@ class Simulation:
         self._issued = 0  # requests made so far, over every window: their ids
         self._open: set[int] = set()  # the window's requests not finished or refused yet
 
-    def _form_worlds(self) -> None:
+    def _form_worlds(self, plans: list[InstancePlan]) -> None:
+        """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`), or in the
+        spare plan's pairs."""
         num_layers = self.fleet.shape.num_layers
         for names in self.worlds:
             for name in names:
                 self.executors[name].join_world(names, self.settings.static_bits)
+        if plans and self.settings.spare:
+            raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
+                             f"{self.fleet.tp} instances")
+        for plan in plans:
+            tp.started(plan, {name: self.executors[name] for name in plan.members})
         if not self.settings.spare or not self.worlds:
             return
         if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):

@@ -53,6 +53,7 @@ from shared.messages import (
     pressure_events,
 )
 from shared.planner.memory import FULL_BITS, weight_bytes
+from shared.planner.shapes import ModelShape
 from shared.plans import alone, alone_id
 from shared.sampling import SamplingOptions
 
@@ -85,16 +86,18 @@ class SimRequest:
 
 class SimExecutor(MemberArena):
     def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
-                 in_world: bool = False, decode_runs: bool = True, arenas: dict | None = None):
+                 in_world: bool = False, decode_runs: bool = True, arenas: dict | None = None,
+                 layout: ModelShape | None = None):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
         holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
         (decode_run.py); without, every step is scheduled alone (the same results, slower). `arenas`: empty
-        arenas laid out before, shared by a fleet's executors (`_laid_out`)."""
+        arenas laid out before, shared by a fleet's executors (`_laid_out`). `layout`: the layers its arena
+        holds, a TP member's shard of them (tp.member_shape); the model's by default."""
         self.spec, self.id, self.shape = spec, spec.id, fleet.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
-        block = self.limits.block_size
-        self.page_bytes = 2 * self.shape.num_layers * self.shape.kv_size * spec.dtype_bytes * block
-        self.slot_pages = {bits: math.ceil(weight_bytes(self.shape, bits, spec.dtype_bytes) / self.page_bytes)
+        block, layout = self.limits.block_size, layout or self.shape
+        self.page_bytes = 2 * layout.num_layers * layout.kv_size * spec.dtype_bytes * block
+        self.slot_pages = {bits: math.ceil(weight_bytes(layout, bits, spec.dtype_bytes) / self.page_bytes)
                            for bits in (FULL_BITS, 8, 4)}
         num_pages = spec.memory // self.page_bytes
         need = self.shape.num_layers * self.slot_pages[FULL_BITS] + (

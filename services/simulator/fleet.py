@@ -26,6 +26,10 @@ A fleet file is JSON:
   of one host, as the multi-host deployment gives each host its world (docs/deployment.md). Instances form,
   and AMOEBAs merges, inside a world only. Without it every executor is in one world, as `morphling up`
   starts them on one host.
+- `tp`: consecutive executors of each world form instances of that tensor-parallel degree at the start, as
+  `morphling up --tp K` starts them (1, 2 or 4; it divides the world's executors): each member's arena holds its
+  shard of every layer (its query and KV heads, its FFN pieces) and its heads' KV, so a model too big for one
+  device (Llama-3-70B on an H100) serves. Without it every executor serves alone.
 - `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
   it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
 - `all_reduce_s`: the measured line `{"intercept_s": ..., "per_byte_s": ...}` of summing B bytes of hidden
@@ -45,11 +49,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shared.config import EngineConfig
+from shared.messages import InstancePlan
 from shared.planner.devices import ClusterError, Device
 from shared.planner.devices import device as read_device
 from shared.planner.latency import FittedLatency, LatencyError, load_profile
 from shared.planner.roofline import RooflineLatency
 from shared.planner.shapes import SHAPES, ModelShape
+from shared.plans import FULL_BITS, PlanError, tp_plans
 from shared.speedup import Line, SpeedupProfile, SpeedupProfileError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -90,12 +96,20 @@ class Fleet:
     engine: EngineLimits
     executors: list[ExecutorSpec]
     world_size: int = 0  # executors per world, in order; 0: all in one
+    tp: int = 1  # the TP degree of the instances the executors start in (1: each serves alone)
 
     def worlds(self) -> list[list[str]]:
         """The executors' names, world by world."""
         names = [s.id for s in self.executors]
         size = self.world_size or len(names)
         return [names[i:i + size] for i in range(0, len(names), size)]
+
+    def start_plans(self, bits: int) -> list[InstancePlan]:
+        """The TP instances the executors start in (none when each serves alone): `up --tp`'s, world by world."""
+        if self.tp == 1:
+            return []
+        return [plan for world in self.worlds()
+                for plan in tp_plans(world, self.tp, self.shape.num_layers, bits)]
 
     @property
     def max_model_len(self) -> int:
@@ -184,7 +198,7 @@ def read_fleet(path: str | Path) -> Fleet:
     if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
         raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
     unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s", "all_reduce_s",
-                           "world_size"}
+                           "world_size", "tp"}
     if unknown:
         raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
     name = data.get("model", "default")
@@ -205,6 +219,9 @@ def read_fleet(path: str | Path) -> Fleet:
     world_size = data.get("world_size", 0)
     if "world_size" in data and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise FleetError(f"{path}: world_size must be a positive integer (executors per world), got {world_size!r}")
+    tp = data.get("tp", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise FleetError(f"{path}: tp must be a positive integer (the TP degree instances start at), got {tp!r}")
     specs: list[ExecutorSpec] = []
     for i, entry in enumerate(data["executors"]):
         specs += _executor_specs(entry, f"{path}: executors[{i}]", shape, len(specs), path.parent)
@@ -212,5 +229,10 @@ def read_fleet(path: str | Path) -> Fleet:
     if unmodelled and set(swap) != {"quantize", "restore"}:
         raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
                          f"swap_s_per_layer (quantize and restore, as measured there)")
-    return Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations,
-                                         all_reduce=reduce or s.all_reduce) for s in specs], world_size)
+    fleet = Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations,
+                                          all_reduce=reduce or s.all_reduce) for s in specs], world_size, tp)
+    try:
+        fleet.start_plans(FULL_BITS)
+    except PlanError as exc:
+        raise FleetError(f"{path}: tp (as `up`'s): {exc}") from exc
+    return fleet

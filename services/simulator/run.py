@@ -238,6 +238,19 @@ def compare_tp(fleet: Fleet, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_modes(fleet: Fleet, modes: list[str]) -> None:
+    """FleetError for a mode the fleet's executors cannot start in, or one the simulator would run otherwise than
+    the system: on a fleet started in TP instances, CoCoServe's pairs, and swaps (the simulated leader of an
+    instance refuses them, where the real one swaps its instance's layers as a whole)."""
+    if fleet.tp == 1:
+        return
+    cannot = [m for m in modes if MODES[m].spare or "quantize" in MODES[m].levers]
+    if cannot:
+        raise FleetError(f"{', '.join(cannot)} cannot run on a fleet started in TP{fleet.tp} instances: CoCoServe "
+                         f"starts from pairs of executors serving alone, and the simulator swaps the layers of "
+                         f"executors serving alone only")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -246,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             return compare_steps(fleet, args)
         if args.compare_tp is not None:
             return compare_tp(fleet, args)
+        check_modes(fleet, args.modes)
         rows = read_rows(args.trace)
         windows = pick_windows(rows, args.window_s, args.busy, args.ordinary)
     except (FleetError, TraceError) as e:

@@ -19,10 +19,13 @@ profile's all-reduce line (a hop where it has none); then the rest of a step on 
 """
 
 import functools
+from collections.abc import Callable
+from dataclasses import replace
 
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
+from services.executor.fabric.shards import ffn_shard, head_shards
 from services.simulator import costs
 from services.simulator.instance import SimulatedRefusal
 from shared.messages import InstancePlan, LayerPlan, TpMergeArgs
@@ -34,6 +37,29 @@ from shared.tp_scheduler import MAX_TP, Member, capacity, world_allows
 
 class SimulatedTpRefusal(SimulatedRefusal):
     """A merge or split every member refuses alike; nothing changed."""
+
+
+def member_shape(shape: ModelShape, tp: int, rank: int) -> ModelShape:
+    """The layers member `rank` of an instance started at TP `tp` holds, as its checkpoint view gives them
+    (fabric/shards.py): its query and KV heads and its FFN pieces, padded as the engine pads them."""
+    if tp == 1:
+        return shape
+    heads = head_shards(shape.num_heads, shape.num_kv_heads, tp)[rank]
+    real, width = ffn_shard(shape.intermediate_size, tp, rank)
+    return replace(shape, num_heads=len(heads.q), num_kv_heads=len(heads.kv), intermediate_size=width * len(real))
+
+
+def started(plan: InstancePlan, members: dict) -> "SimTpInstance":
+    """An instance `up --tp` starts, its members (SimExecutor by name) laid out as their shards: as many blocks as
+    the member with the fewest free pages backs (fabric/member.py's _agree_on_blocks), which must hold one
+    sequence of the longest length."""
+    blocks = min(member.ledger.num_free for member in members.values())
+    leader = members[plan.leader]
+    need = -(-leader.max_model_len // leader.limits.block_size)
+    if blocks < need:
+        raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks; one sequence of "
+                         f"{leader.max_model_len} tokens needs {need}")
+    return SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0)
 
 
 def ffn_pages_freed(executor, tp: int) -> int:
@@ -115,9 +141,22 @@ class SimTpInstance:
         seconds += spec.overhead.at(sum(c.length for c in chunks))
         return seconds, dict.fromkeys(self.members, seconds)
 
-    def decode_timing(self, seqs: list, base: list[int]):
-        """step_seconds of a decode run's step-th step (decode_run.py), from its chunks."""
-        return lambda step: self.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
+    def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens computed
+        plus `step`: the same sums in the same order, to the float, by the mean context alone (building each step's
+        chunks was most of a thousand-executor 70B fleet's steps)."""
+        spec, k, batch = self.leader.spec, self.plan.tp, len(seqs)
+        reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, batch))
+        lines = [(layers, spec.latency.decode_line(bits, batch))
+                 for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers])]
+        overhead, contexts = spec.overhead.at(batch), sum(base) + batch
+
+        def timing(step: int) -> tuple[float, dict[str, float]]:
+            context = int((contexts + batch * step) / batch)
+            seconds = sum(layers * (decode(context) / k + 2 * reduce) for layers, decode in lines)
+            seconds += overhead
+            return seconds, dict.fromkeys(self.members, seconds)
+        return timing
 
     # --- the split --------------------------------------------------------------------------------
     def split(self) -> tuple[dict, float]:

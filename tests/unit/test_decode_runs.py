@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,6 +184,31 @@ def test_an_instances_decode_run_steps_are_its_step_seconds_to_the_float(tmp_pat
         assert 0 < busy["exec1"] < seconds
     assert instance.parts[1][0].placement == ("exec0", "exec1")
     assert set(instance.sticky[1].values()) == {"exec0", "exec1"}  # both replicas computed rows
+
+
+@pytest.mark.parametrize("fleet_file", ["fitted, tp 2", "roofline, tp 4"])
+def test_a_tp_instances_decode_run_steps_are_its_step_seconds_to_the_float(tmp_path, fleet_file):
+    """A TP instance started at TP 2 on cpu executors of a fitted profile, and at TP 4 on H100s serving
+    Llama-3-70B by the roofline, two layers at 8 bits: a run's steps and every member's busy time, as
+    step_seconds gives them from the chunks."""
+    if fleet_file == "fitted, tp 2":
+        path = write_fleet(tmp_path, kv_pages=64, count=2, hop_s=2e-4)
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2}))
+    else:
+        path = tmp_path / "fleet.json"
+        path.write_text(json.dumps({"model": "llama-3-70b", "executors": [{"device": "H100-80GB", "count": 4}],
+                                    "tp": 4}))
+    instance = Simulation(read_fleet(path), SimSettings()).executors["exec0"].group
+    instance.plan.layers[3].bits = instance.plan.layers[25].bits = 8
+    seqs = []
+    for index, prompt in enumerate((17, 100, 301, 5, 64)):
+        seq = Sequence(str(index), 0, [0] * prompt, SamplingOptions(max_tokens=50), 0.0)
+        seq.output_ids, seq.num_computed = [0], prompt
+        seqs.append(seq)
+    base = [s.num_computed for s in seqs]
+    timing = instance.decode_timing(seqs, base)
+    for step in range(6):
+        assert timing(step) == instance.step_seconds([ScheduledChunk(s, b + step, 1) for s, b in zip(seqs, base)])
 
 
 def ten_ms_steps(seqs, base):

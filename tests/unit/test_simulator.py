@@ -132,6 +132,9 @@ def test_the_fleet_file_is_checked(tmp_path):
                             ({"executors": [{"device": "H100-80GB", "count": 0}]}, "positive integer"),
                             ({"engine": {"max_num_seqs": -1}}, "non-negative"),
                             ({"world_size": 0}, "world_size must be a positive integer"),
+                            ({"tp": 0}, "tp must be a positive integer"),
+                            ({"tp": 2}, "must divide the 1 executors"),
+                            ({"executors": [{"device": "H100-80GB", "count": 3}], "tp": 3}, "divide the FFN's"),
                             ({"all_reduce_s": {"intercept_s": -1, "per_byte_s": 0}}, "all_reduce_s must be"),
                             ({"gpus": 8}, "unknown field")):
         path = tmp_path / "broken.json"
@@ -154,6 +157,58 @@ def test_executors_join_worlds_of_world_size_in_order_and_merge_only_inside_thei
     assert [u.tp for u in seen["exec0"].kv_units] == [1, 2] and seen["exec4"].plan is None  # alone: no world
     with pytest.raises(ValueError, match="two executors of one world"):  # exec4 has no pair in its world
         Simulation(read_fleet(path), SimSettings(spare=True))
+
+
+def test_a_fleet_started_at_tp2_lays_out_each_members_shard_and_serves_at_its_leader(tmp_path):
+    """`tp: 2`, as `up --tp 2`: SmolLM2's 9 query and 3 KV heads split 6+2 and 3+1, its FFN in halves of 768
+    channels. exec0's page holds 2 heads' KV of a 16-token block over 30 layers (2*30*2*64*4*16 = 491,520 bytes),
+    so 800 full pages' worth of memory is 1,200 of them, and its layer shard of (6*64 + 2*2*64)*576 + 576*6*64 +
+    2*768*576 + 576*768 weights at 4 bytes, plus two norms, takes 16: 720 pages are left for KV. exec1 (1 head:
+    2,400 pages of 245,760 bytes, 27 a layer) has 1,590 left; the instance holds the fewer, 720 blocks."""
+    path = write_fleet(tmp_path, count=2, all_reduce_s=0.0007)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2}))
+    sim = Simulation(read_fleet(path), SimSettings(controller=ControllerConfig(levers=())))
+    leader, follower = sim.executors["exec0"], sim.executors["exec1"]
+    assert (leader.page_bytes, leader.ledger.num_pages, leader.slot_pages[16]) == (491_520, 1_200, 16)
+    assert (follower.page_bytes, follower.ledger.num_pages, follower.slot_pages[16]) == (245_760, 2_400, 27)
+    assert leader.group is follower.group and leader.group.num_blocks == 720
+    seen = leader.telemetry(0.0, "m")
+    assert (seen.plan.tp, seen.plan.members, seen.kv.pages_free, seen.kv.pages_slot) == (2, ["exec0", "exec1"], 720,
+                                                                                         480)
+    with pytest.raises(FollowerRefusal):
+        follower.admit(SimRequest(0, 0.0, 20, 5), 0.0)
+    leader.admit(SimRequest(0, 0.0, 20, 5), 0.0)
+    seconds, parts = leader.group.step_seconds(leader.scheduler.schedule().chunks)
+    assert seconds == pytest.approx(30 * (PREFILL_S / 2 + 2 * 0.0007) + OVERHEAD_S)
+    assert parts == {"exec0": seconds, "exec1": seconds}
+    played = Simulation(read_fleet(path), SimSettings(controller=ControllerConfig(levers=()))).run(burst(12))
+    assert all(r.error is None and r.tokens == r.output_tokens and r.executor == "exec0" for r in played.requests)
+
+
+def test_a_model_too_big_for_one_device_serves_at_tp4_and_is_refused_alone(tmp_path):
+    """Llama-3-70B's 80 layers (1.7 GB each at bf16) outgrow an H100's 80 GB; four shards of them fit and leave
+    each member 25,565 blocks of its 2 KV heads: 409,040 tokens of KV an instance."""
+    path = tmp_path / "fleet.json"
+    fleet = {"model": "llama-3-70b", "executors": [{"device": "H100-80GB", "count": 8}], "world_size": 8}
+    path.write_text(json.dumps(fleet | {"tp": 4}))
+    sim = Simulation(read_fleet(path), SimSettings())
+    groups = {e.group for e in sim.executors.values()}
+    assert sorted(g.plan.members[0] for g in groups) == ["exec0", "exec4"]
+    assert {(g.plan.tp, g.num_blocks) for g in groups} == {(4, 25_565)}
+    path.write_text(json.dumps(fleet))
+    with pytest.raises(ValueError, match="the layers and one block need"):
+        Simulation(read_fleet(path), SimSettings())
+
+
+@pytest.mark.parametrize("modes", ["fp16,morph", "fp16,cocoserve", "fp16,ladder"])
+def test_modes_a_tp_fleet_would_run_otherwise_than_the_system_are_refused(tmp_path, modes, capsys):
+    """CoCoServe starts from pairs of executors serving alone, and a simulated instance refuses swaps the real
+    one takes as a whole: on a fleet started at TP the simulator says so rather than report refusals."""
+    path = write_fleet(tmp_path, count=2)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2}))
+    assert simulate_cli.main(["--fleet", str(path), "--modes", modes, "--rate-scale", "1", "--out",
+                              str(tmp_path / "out")]) == 2
+    assert f"{modes.split(',')[1]} cannot run on a fleet started in TP2 instances" in capsys.readouterr().err
 
 
 def test_dispatch_sends_nothing_to_a_busy_executor_or_on_a_state_older_than_its_last_answer():

@@ -29,8 +29,9 @@ SIMULATED_PARTS = {
     "services.executor.engine.memory.ledger", "services.executor.engine.scheduling.growth",
     "services.executor.engine.scheduling.scheduler", "services.executor.engine.scheduling.sequence",
     "services.executor.latency", "services.executor.admission", "services.executor.engine.morphing.slots",
-    # instances of several executors: which replica computes which rows, the AMOEBAs merges the gateway decides
-    "services.executor.fabric.replicas", "services.gateway.tp_merges",
+    # instances of several executors: which replica computes which rows, the AMOEBAs merges the gateway decides,
+    # the heads and FFN pieces a TP member holds
+    "services.executor.fabric.replicas", "services.gateway.tp_merges", "services.executor.fabric.shards",
     # the body of GET /v1/cluster, which the bench's rest rule reads
     "services.gateway.admin", "services.bench.rest",
     # the bench's experiment, rules and report, so that a simulation is measured and written as a run is

@@ -35,7 +35,7 @@ from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.simulator import costs, decode_run
 from services.simulator.fleet import ExecutorSpec, Fleet
-from services.simulator.instance import SimulatedRefusal
+from services.simulator.instance import SimulatedRefusal, swap
 from services.simulator.member import MemberArena
 from shared.config import ExecutorConfig
 from shared.messages import (
@@ -95,9 +95,9 @@ class SimExecutor(MemberArena):
         holds, a TP member's shard of them (tp.member_shape); the model's by default."""
         self.spec, self.id, self.shape = spec, spec.id, fleet.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
-        block, layout = self.limits.block_size, layout or self.shape
-        self.page_bytes = 2 * layout.num_layers * layout.kv_size * spec.dtype_bytes * block
-        self.slot_pages = {bits: math.ceil(weight_bytes(layout, bits, spec.dtype_bytes) / self.page_bytes)
+        block, self.layout = self.limits.block_size, layout or self.shape
+        self.page_bytes = 2 * self.layout.num_layers * self.layout.kv_size * spec.dtype_bytes * block
+        self.slot_pages = {bits: math.ceil(weight_bytes(self.layout, bits, spec.dtype_bytes) / self.page_bytes)
                            for bits in (FULL_BITS, 8, 4)}
         num_pages = spec.memory // self.page_bytes
         need = self.shape.num_layers * self.slot_pages[FULL_BITS] + (
@@ -347,9 +347,12 @@ class SimExecutor(MemberArena):
             return self.group.split()
         if isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
             return self._instance_command(args)
-        if self.group is not None and (isinstance(args, (QuantizeArgs, RestoreArgs))):
-            raise SimulatedRefusal(f"{args.kind} refused: the simulator swaps layers of executors serving alone "
-                                   f"only, and {self.id} leads instance {self.group.plan.id}")
+        if self.group is not None and isinstance(args, (QuantizeArgs, RestoreArgs)):
+            if self.group.plan.merged:
+                raise SimulatedRefusal(f"{args.kind} refused: instance {self.group.plan.id} is a TP merge, which "
+                                       f"serves at the bits its layers had when it formed: {args.kind} it after "
+                                       f"its split")
+            return swap(self.group, args)
         if isinstance(args, QuantizeArgs):
             layers = self._next_layers(args.layers, args.bits)
             bits, kind = args.bits, "quantize"
@@ -360,7 +363,7 @@ class SimExecutor(MemberArena):
             raise SimulatedRefusal(f"{args.kind} refused: {self.id} takes no {args.kind} here")
         self.set_bits(layers, bits)
         return ({"layers": list(self.layer_bits), "changed": layers},
-                len(layers) * costs.swap_seconds(self.spec, self.shape, kind, bits))
+                len(layers) * costs.swap_seconds(self.spec, self.layout, kind, bits))
 
     def _instance_command(self, args: ReplicateArgs | MigrateArgs | EvictArgs | BatchArgs) -> tuple[dict, float]:
         instance = self.group.plan.id if self.group is not None else (self.plan.id if self.plan else alone_id(self.id))

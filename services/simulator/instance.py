@@ -12,7 +12,9 @@ An operation (replicate, migrate, evict) applies as reshape.lead does: the plan 
 the block count the members can back afterwards (refused, with nothing changed, below one longest sequence or
 when the live blocks cannot move below it), the replicas each request keeps (fabric/replicas.reassign, whose
 KV moves say which rows travel), then per member: slots taken back for the layers it gains (the blocks in
-them moved out first) and released for those it loses. Its seconds: costs.operation_seconds.
+them moved out first) and released for those it loses. Its seconds: costs.operation_seconds. A swap (MorphServe's
+quantize or restore, which the leader takes for the instance as a whole) goes the same way with the plan's
+`with_bits`: every member holding a layer resizes its slot (`swap`), here and in an instance started at TP.
 
 A step, segment by segment (shared/plans.segments), as the fabric runs it:
 - layers one member computes: their time at their bits over the whole batch on that member (latency model),
@@ -31,14 +33,68 @@ from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from services.executor.fabric.replicas import assign_replicas, reassign
 from services.simulator import costs
-from shared.messages import EvictArgs, InstancePlan, MigrateArgs, ReplicateArgs
-from shared.plans import OperationRefused, Segment, layers_on, reshaped, segments
+from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
+from shared.plans import FULL_BITS, OperationRefused, Segment, layers_on, reshaped, segments, with_bits
 
 Operation = ReplicateArgs | MigrateArgs | EvictArgs
 
 
 class SimulatedRefusal(Exception):
     """A command the simulated executor refuses as the real one would (nothing changed)."""
+
+
+def resize(instance, outside: dict[str, int], kind: str) -> tuple[int, int]:
+    """Give `instance` (SimInstance, or a SimTpInstance started at TP) the blocks its members can back once each
+    has `outside` pages outside its slots (reshape.lead's rule): (blocks before, after). SimulatedRefusal, nothing
+    changed, below one longest sequence's blocks, or where the live blocks cannot move below the new count."""
+    before, after = instance.num_blocks, min(min(outside.values()), instance.capacity)
+    if after < instance.min_blocks:
+        short = min(outside, key=outside.get)
+        raise SimulatedRefusal(f"{kind} refused: no memory: {short} would back only {after} KV blocks, fewer "
+                               f"than one sequence of the longest length needs ({instance.min_blocks})")
+    if after < before:
+        try:
+            instance.scheduler.evacuate(set(range(after, before)))
+        except OutOfPagesError as exc:
+            raise SimulatedRefusal(f"{kind} refused: no memory: the instance would keep {after} of its "
+                                   f"{before} KV blocks, but {exc.needed} live blocks would have to move into "
+                                   f"{exc.free} free ones") from exc
+        instance.ledger.withdraw(range(after, before))
+    elif after > before:
+        instance.ledger.reinstate(range(before, after))
+    return before, after
+
+
+def refill(instance, plan: InstancePlan, before: int, after: int) -> None:
+    """Every member's slots as `plan` places and sizes them, its pages backing the `after` blocks resize kept,
+    and the instance serving `plan`."""
+    bits = [layer.bits for layer in plan.layers]
+    for name, member in instance.members.items():
+        member.unmap_blocks(min(after, before))
+        member.hold(layers_on(plan, name), bits)
+        member.map_blocks(after)
+    instance.adopt(plan)
+
+
+def swap(instance, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
+    """MorphServe's swap taken by `instance` as a whole, as the fabric's leader takes it (reshape.next_plan: the
+    plan's `with_bits`, counts front to back): every member holding a layer resizes its slot, and the instance
+    keeps the blocks they back afterwards (`resize`). (the result's state, the seconds: the members swap their
+    pieces side by side, the slowest counting.) SimulatedRefusal, nothing changed, where it cannot."""
+    bits = args.bits if isinstance(args, QuantizeArgs) else FULL_BITS
+    try:
+        plan = with_bits(instance.plan, args.layers, bits)
+    except OperationRefused as exc:
+        raise SimulatedRefusal(f"{args.kind} refused: {exc}") from exc
+    now = [layer.bits for layer in plan.layers]
+    changed = [i for i, (was, layer) in enumerate(zip(instance.plan.layers, plan.layers)) if was.bits != layer.bits]
+    outside = {name: m.outside_slots(layers_on(plan, name), now) for name, m in instance.members.items()}
+    before, after = resize(instance, outside, args.kind)
+    refill(instance, plan, before, after)
+    kind = "quantize" if isinstance(args, QuantizeArgs) else "restore"
+    seconds = max(sum(costs.swap_seconds(m.spec, m.layout, kind, bits) for i in changed if i in m.held)
+                  for m in instance.members.values())
+    return {"layers": now, "changed": changed, "blocks_before": before, "blocks_after": after}, seconds
 
 
 class SimInstance:
@@ -79,21 +135,7 @@ class SimInstance:
         except OperationRefused as exc:
             raise SimulatedRefusal(f"{op.kind} refused: {exc}") from exc
         outside = {name: m.outside_slots(layers_on(plan, name)) for name, m in self.members.items()}
-        before, after = self.num_blocks, min(min(outside.values()), self.capacity)
-        if after < self.min_blocks:
-            short = min(outside, key=outside.get)
-            raise SimulatedRefusal(f"{op.kind} refused: no memory: {short} would back only {after} KV blocks, fewer "
-                                   f"than one sequence of the longest length needs ({self.min_blocks})")
-        if after < before:
-            try:
-                self.scheduler.evacuate(set(range(after, before)))
-            except OutOfPagesError as exc:
-                raise SimulatedRefusal(f"{op.kind} refused: no memory: the instance would keep {after} of its "
-                                       f"{before} KV blocks, but {exc.needed} live blocks would have to move into "
-                                       f"{exc.free} free ones") from exc
-            self.ledger.withdraw(range(after, before))
-        elif after > before:
-            self.ledger.reinstate(range(before, after))
+        before, after = resize(self, outside, op.kind)
         held = {}
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.block_table:
@@ -101,13 +143,7 @@ class SimInstance:
         self.sticky, moves = reassign(segments(self.plan), segments(plan), self.sticky, held)
         copied = [(i, name) for i, (was, now) in enumerate(zip(self.plan.layers, plan.layers))
                   for name in now.placement if name not in was.placement]
-        for name, member in self.members.items():
-            member.unmap_blocks(min(after, before))
-            member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
-            member.map_blocks(after)
-        self.plan, self.parts = plan, _parts(plan)
-        for member in self.members.values():
-            member.plan = plan
+        refill(self, plan, before, after)
         shape, leader = self.leader.shape, self.leader
         row_bytes = leader.page_bytes // shape.num_layers  # one layer's KV of one block
         nbytes = (sum(leader.slot_pages[plan.layers[i].bits] for i, _ in copied) * leader.page_bytes
@@ -116,6 +152,12 @@ class SimInstance:
         return ({"plan": plan.model_dump(), "blocks_before": before, "blocks_after": after,
                  "layers_copied": len(copied), "kv_rows_moved": sum(len(m.layers) * len(m.blocks) for m in moves),
                  "bytes_moved": nbytes}, seconds)
+
+    def adopt(self, plan: InstancePlan) -> None:
+        """Serve `plan` from the next step on."""
+        self.plan, self.parts = plan, _parts(plan)
+        for member in self.members.values():
+            member.plan = plan
 
     def freed_pages(self, member: str) -> int:
         """Slot pages a TP merge's FFN cut freed on `member`: none in a TP1 instance."""

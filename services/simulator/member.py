@@ -5,6 +5,7 @@ them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`,
 """
 
 from services.executor.engine.memory.ledger import LedgerSnapshot
+from services.executor.engine.morphing.slots import slot_moves
 from services.simulator.tp import ffn_pages_freed
 from shared.messages import KvUnits
 from shared.tp_scheduler import MAX_TP
@@ -16,18 +17,26 @@ class MemberArena:
         slot = self._slot(layer)
         return range(slot.start, slot.start + self.slot_pages[bits])
 
-    def outside_slots(self, layers: list[int] | None = None) -> int:
-        """Pages outside slots, now or once the slots hold `layers` (at their bits now)."""
+    def outside_slots(self, layers: list[int] | None = None, bits: list[int] | None = None) -> int:
+        """Pages outside slots, now or once the slots hold `layers` at `bits` (each layer's bits now, by default)."""
         held = self.held if layers is None else layers
-        return self.ledger.num_pages - sum(self.slot_pages[self.layer_bits[i]] for i in held)
+        bits = self.layer_bits if bits is None else bits
+        return self.ledger.num_pages - sum(self.slot_pages[bits[i]] for i in held)
 
     def hold(self, layers: list[int], bits: list[int]) -> None:
-        """Fill exactly the slots of `layers`, at `bits`: those it gives up are released, those it gains taken
-        back, the blocks backed by their pages moved out first (the fabric member's vacate)."""
+        """Fill exactly the slots of `layers`, at `bits`: those it gives up are released, and so are the tails of
+        those it keeps at fewer bits; those it gains, or keeps at more, are taken back, the blocks backed by their
+        pages moved out first (the fabric member's vacate)."""
         keep = set(layers)
         for i in sorted(self.held - keep):
             self.ledger.release_slot_pages(i, self._head(i, self.layer_bits[i]))
+        resized = {i: slot_moves(self._slot(i), self.slot_pages[self.layer_bits[i]], self.slot_pages[bits[i]])
+                   for i in sorted(keep & self.held) if bits[i] != self.layer_bits[i]}
+        for i, (_, release) in resized.items():
+            if release:
+                self.ledger.release_slot_pages(i, release)
         gained = {i: self._head(i, bits[i]) for i in sorted(keep - self.held)}
+        gained.update((i, reclaim) for i, (reclaim, _) in resized.items() if reclaim)
         taking = {p for pages in gained.values() for p in pages}
         moved = {p: self.ledger.relocate(p, taking) for p in sorted(taking) if self.ledger.refcount(p) > 0}
         self.mapped = [moved.get(p, p) for p in self.mapped]

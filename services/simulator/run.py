@@ -239,16 +239,12 @@ def compare_tp(fleet: Fleet, args: argparse.Namespace) -> int:
 
 
 def check_modes(fleet: Fleet, modes: list[str]) -> None:
-    """FleetError for a mode the fleet's executors cannot start in, or one the simulator would run otherwise than
-    the system: on a fleet started in TP instances, CoCoServe's pairs, and swaps (the simulated leader of an
-    instance refuses them, where the real one swaps its instance's layers as a whole)."""
-    if fleet.tp == 1:
-        return
-    cannot = [m for m in modes if MODES[m].spare or "quantize" in MODES[m].levers]
+    """FleetError for a mode the fleet's executors cannot start in: CoCoServe's pairs of executors serving alone,
+    on a fleet started in TP instances."""
+    cannot = [m for m in modes if MODES[m].spare] if fleet.tp > 1 else []
     if cannot:
         raise FleetError(f"{', '.join(cannot)} cannot run on a fleet started in TP{fleet.tp} instances: CoCoServe "
-                         f"starts from pairs of executors serving alone, and the simulator swaps the layers of "
-                         f"executors serving alone only")
+                         f"starts from pairs of executors serving alone")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,11 @@ def started(plan: InstancePlan, members: dict) -> "SimTpInstance":
     if blocks < need:
         raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks; one sequence of "
                          f"{leader.max_model_len} tokens needs {need}")
-    return SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0)
+    instance = SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0,
+                             capacity=min(member.ledger.num_pages for member in members.values()), min_blocks=need)
+    for member in members.values():
+        member.map_blocks(blocks)
+    return instance
 
 
 def ffn_pages_freed(executor, tp: int) -> int:
@@ -81,10 +85,16 @@ def _ffn_pages_freed_per_layer(shape: ModelShape, bits: int, dtype_bytes: int, p
 
 
 class SimTpInstance:
-    def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float):
+    def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float,
+                 capacity: int | None = None, min_blocks: int = 0):
+        """`capacity`: the most blocks it may come to have, its ids above `blocks` withdrawn till then, and
+        `min_blocks` the fewest a swap may leave it (an instance `started`, whose swaps free and take back slot
+        pages); a merge has `blocks` for good."""
         self.plan, self.members, self.leader = plan, members, members[plan.leader]
         self.freed = freed
-        self.ledger = PageLedger(blocks)
+        self.capacity, self.min_blocks = capacity or blocks, min_blocks
+        self.ledger = PageLedger(self.capacity)
+        self.ledger.withdraw(range(blocks, self.capacity))
         self.blocks = BlockManager(self.ledger, self.leader.limits.block_size)
         limits = self.leader.limits
         self.scheduler = Scheduler(self.blocks, self.leader.scheduler.max_num_seqs, limits.max_num_batched_tokens,
@@ -124,6 +134,12 @@ class SimTpInstance:
 
     def freed_pages(self, member: str) -> int:
         return self.freed[member]
+
+    def adopt(self, plan: InstancePlan) -> None:
+        """Serve `plan` from the next step on (its layers' bits after a swap)."""
+        self.plan = plan
+        for member in self.members.values():
+            member.plan = plan
 
     def forget(self, request_id: str) -> None:
         self.origin.pop(request_id, None)

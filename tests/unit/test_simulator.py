@@ -200,15 +200,57 @@ def test_a_model_too_big_for_one_device_serves_at_tp4_and_is_refused_alone(tmp_p
         Simulation(read_fleet(path), SimSettings())
 
 
-@pytest.mark.parametrize("modes", ["fp16,morph", "fp16,cocoserve", "fp16,ladder"])
-def test_modes_a_tp_fleet_would_run_otherwise_than_the_system_are_refused(tmp_path, modes, capsys):
-    """CoCoServe starts from pairs of executors serving alone, and a simulated instance refuses swaps the real
-    one takes as a whole: on a fleet started at TP the simulator says so rather than report refusals."""
+def test_cocoserve_is_refused_on_a_fleet_started_at_tp(tmp_path, capsys):
+    """CoCoServe starts from pairs of executors serving alone: a fleet started in TP instances has none."""
     path = write_fleet(tmp_path, count=2)
     path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2}))
-    assert simulate_cli.main(["--fleet", str(path), "--modes", modes, "--rate-scale", "1", "--out",
+    assert simulate_cli.main(["--fleet", str(path), "--modes", "fp16,cocoserve", "--rate-scale", "1", "--out",
                               str(tmp_path / "out")]) == 2
-    assert f"{modes.split(',')[1]} cannot run on a fleet started in TP2 instances" in capsys.readouterr().err
+    assert "cocoserve cannot run on a fleet started in TP2 instances" in capsys.readouterr().err
+
+
+def test_an_instance_started_at_tp_swaps_as_a_whole_its_blocks_following_the_fewest_pages(tmp_path):
+    """The TP2 fleet above, two layers quantized to INT8 by its leader: exec0's shard of a layer goes from 16
+    pages to 4 (1,916,928 weights at a byte, 3,328 scales at 4 and two norms: 1,934,848 bytes), 24 pages freed;
+    exec1's from 27 to 7, 40 freed. The instance follows exec0, 720 -> 744 blocks, and exec1's 886 pages over
+    them are spare. The restore takes them back: refused while 730 live blocks could not fit in 720, then, with
+    one request's two blocks at the top ids, moving them below."""
+    path = write_fleet(tmp_path, count=2)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2}))
+    sim = Simulation(read_fleet(path), SimSettings(controller=ControllerConfig(levers=())))
+    leader, follower = sim.executors["exec0"], sim.executors["exec1"]
+    state, seconds = leader.apply(QuantizeArgs(layers=2, bits=8))
+    assert (state["changed"], state["blocks_before"], state["blocks_after"]) == ([0, 1], 720, 744)
+    assert seconds == pytest.approx(2 * 0.004)  # the fleet's measured quantize, a layer
+    assert leader.layer_bits[:3] == follower.layer_bits[:3] == [8, 8, 16] and leader.group.plan.layers[1].bits == 8
+    seen = {name: e.telemetry(0.0, "m") for name, e in sim.executors.items()}
+    assert seen["exec0"].kv.pages_free == 744 and seen["exec0"].layers[:3] == [8, 8, 16]
+    assert (seen["exec0"].spare_pages, seen["exec1"].spare_pages) == (0, 886)
+    with pytest.raises(SimulatedRefusal, match="is a member of instance"):
+        follower.apply(RestoreArgs(layers=2))
+    taken = leader.group.ledger.allocate_many(730)
+    with pytest.raises(SimulatedRefusal, match="would keep 720 of its 744 KV blocks, but 24 live blocks"):
+        leader.apply(RestoreArgs(layers=2))
+    assert leader.group.num_blocks == 744 and leader.layer_bits[:2] == follower.layer_bits[:2] == [8, 8]
+    assert follower.ledger.num_free == 886
+    for page in taken:
+        leader.group.ledger.decref(page)
+    leader.admit(SimRequest(0, 0.0, 20, 5), 0.0)
+    leader.finish_step(leader.start_step(0.0))
+    assert leader.requests["0"].tokens == 1
+    seq = leader.scheduler.running[0]
+    assert seq.block_table == [743, 742]
+    state, _ = leader.apply(RestoreArgs(layers=2))
+    assert state["blocks_after"] == 720 and max(seq.block_table) < 720 and leader.layer_bits[:2] == [16, 16]
+    assert follower.ledger.num_free == 1590 - 720
+
+
+def test_a_tp_merge_refuses_swaps_as_the_executor_does(tmp_path):
+    fleet = read_fleet(write_fleet(tmp_path, pages=620, count=2))
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=())))
+    group, _, _ = tp.merge(sim.executors, TpMergeArgs(executors=["exec0", "exec1"], instance="tp-0"), 0.0)
+    with pytest.raises(SimulatedRefusal, match="is a TP merge, which serves at the bits its layers had"):
+        sim.executors["exec0"].apply(QuantizeArgs(layers=1, bits=8))
 
 
 def test_dispatch_sends_nothing_to_a_busy_executor_or_on_a_state_older_than_its_last_answer():
@@ -222,9 +264,14 @@ def burst(n: int = 60) -> list[TraceRequest]:
     return [TraceRequest(1.0 + 0.01 * i, 200, 60) for i in range(n)]
 
 
-def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_first_pressure(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["an executor alone", "a TP2 instance"])
+def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_first_pressure(tmp_path, tp):
     # 30 slots of 20 pages and 120 KV pages: 60 requests of 260 tokens (17 blocks each at their end) need 1020.
-    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    # At TP2, 400 full pages' worth of memory: exec0's 600 pages of its 2 KV heads less 30 slots of 16 leave the
+    # instance the same 120 blocks (test_a_fleet_started_at_tp2_...), and its leader quantizes as a whole.
+    path = write_fleet(tmp_path, pages=720 if tp == 1 else 400, count=tp)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": tp}))
+    fleet = read_fleet(path)
     settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),
                            monitor=MonitorConfig(slo_ttft_s=2.0, slo_tpot_s=0.5))
     run = Simulation(fleet, settings).run(burst())
@@ -469,13 +516,26 @@ def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path)
     (EvictArgs(instance="i0", layers=[0, 3], source="exec1"), "no replica on exec1"),
     (ReplicateArgs(instance="i9", layers=[0, 3], to="exec1"), "not 'i9'"),
     (BatchArgs(instance="i0", max_num_seqs=10_000), "max_num_seqs must be between"),
-    (QuantizeArgs(layers=2, bits=8), "leads instance i0")])
+    (QuantizeArgs(layers=31, bits=8), "layers must be between 1 and 30")])
 def test_a_refused_command_changes_nothing(tmp_path, args, why):
     sim = spare_cluster(tmp_path)
     before = {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()}
     with pytest.raises(SimulatedRefusal, match=why):
         sim.executors["exec0"].apply(args)
     assert {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()} == before
+
+
+def test_a_tp1_instance_swaps_the_layers_its_members_hold(tmp_path):
+    """The spare plan's pair, every layer on exec0 (20 pages a layer of 737,280 bytes at full precision, 5 at
+    INT8): two layers quantized free 30 of its pages, and the instance's 200 blocks grow to 230; their restore
+    gives them back."""
+    sim = spare_cluster(tmp_path)
+    leader, follower = sim.executors["exec0"], sim.executors["exec1"]
+    state, _ = leader.apply(QuantizeArgs(layers=2, bits=8))
+    assert (state["blocks_before"], state["blocks_after"], leader.layer_bits[:3]) == (200, 230, [8, 8, 16])
+    assert follower.ledger.num_free == 800 - 230 and leader.group.parts[0][1] == ((8, 2), (16, 28))
+    state, _ = leader.apply(RestoreArgs(layers=2))
+    assert (state["blocks_after"], leader.layer_bits[:2], follower.ledger.num_free) == (200, [16, 16], 600)
 
 
 def test_a_follower_refuses_commands_for_its_leader(tmp_path):

@@ -113,7 +113,7 @@ class Simulation:
         self.fleet, self.settings = fleet, settings
         self.worlds = [world for world in fleet.worlds() if len(world) > 1]
         in_world = {name for world in self.worlds for name in world}
-        arenas: dict = {}  # empty arenas laid out: an executor's is a copy of the first laid out alike
+        arenas: dict = {}  # empty arenas and instance ledgers laid out: each a copy of the first laid out alike
         plans = fleet.start_plans(settings.static_bits)
         layouts = {name: tp.member_shape(fleet.shape, plan.tp, rank)
                    for plan in plans for rank, name in enumerate(plan.members)}
@@ -122,7 +122,7 @@ class Simulation:
                                                 decode_runs=settings.decode_runs, arenas=arenas,
                                                 layout=layouts.get(s.id))
                               for s in fleet.executors}
-            self._form_worlds(plans)
+            self._form_worlds(plans, arenas)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
         self.view = ClusterView(settings.monitor)
@@ -150,9 +150,9 @@ class Simulation:
         self._issued = 0  # requests made so far, over every window: their ids
         self._open: set[int] = set()  # the window's requests not finished or refused yet
 
-    def _form_worlds(self, plans: list[InstancePlan]) -> None:
-        """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`), or in the
-        spare plan's pairs."""
+    def _form_worlds(self, plans: list[InstancePlan], laid_out: dict) -> None:
+        """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`, their ledgers of
+        block ids copies of those `laid_out` alike), or in the spare plan's pairs."""
         num_layers = self.fleet.shape.num_layers
         for names in self.worlds:
             for name in names:
@@ -161,7 +161,7 @@ class Simulation:
             raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
                              f"{self.fleet.tp} instances")
         for plan in plans:
-            tp.started(plan, {name: self.executors[name] for name in plan.members})
+            tp.started(plan, {name: self.executors[name] for name in plan.members}, laid_out)
         if not self.settings.spare or not self.worlds:
             return
         if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):

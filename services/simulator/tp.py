@@ -49,18 +49,23 @@ def member_shape(shape: ModelShape, tp: int, rank: int) -> ModelShape:
     return replace(shape, num_heads=len(heads.q), num_kv_heads=len(heads.kv), intermediate_size=width * len(real))
 
 
-def started(plan: InstancePlan, members: dict) -> "SimTpInstance":
+def started(plan: InstancePlan, members: dict, laid_out: dict) -> "SimTpInstance":
     """An instance `up --tp` starts, its members (SimExecutor by name) laid out as their shards: as many blocks as
     the member with the fewest free pages backs (fabric/member.py's _agree_on_blocks), which must hold one
-    sequence of the longest length."""
+    sequence of the longest length. `laid_out`: the empty ledgers of block ids made before, by their capacity and
+    blocks (a thousand-executor fleet starts hundreds alike: each is a copy of the first)."""
     blocks = min(member.ledger.num_free for member in members.values())
     leader = members[plan.leader]
     need = -(-leader.max_model_len // leader.limits.block_size)
     if blocks < need:
         raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks; one sequence of "
                          f"{leader.max_model_len} tokens needs {need}")
-    instance = SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0,
-                             capacity=min(member.ledger.num_pages for member in members.values()), min_blocks=need)
+    capacity = min(member.ledger.num_pages for member in members.values())
+    if (capacity, blocks) not in laid_out:
+        laid_out[capacity, blocks] = PageLedger(capacity)
+        laid_out[capacity, blocks].withdraw(range(blocks, capacity))
+    instance = SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0, min_blocks=need,
+                             ledger=laid_out[capacity, blocks].copy())
     for member in members.values():
         member.map_blocks(blocks)
     return instance
@@ -86,15 +91,14 @@ def _ffn_pages_freed_per_layer(shape: ModelShape, bits: int, dtype_bytes: int, p
 
 class SimTpInstance:
     def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float,
-                 capacity: int | None = None, min_blocks: int = 0):
-        """`capacity`: the most blocks it may come to have, its ids above `blocks` withdrawn till then, and
-        `min_blocks` the fewest a swap may leave it (an instance `started`, whose swaps free and take back slot
-        pages); a merge has `blocks` for good."""
+                 min_blocks: int = 0, ledger: PageLedger | None = None):
+        """An instance `started` has its block ids' `ledger`, whose ids above `blocks` are withdrawn till a swap
+        frees the slot pages to back them, and `min_blocks`, the fewest a swap may leave it; a merge has `blocks`
+        for good."""
         self.plan, self.members, self.leader = plan, members, members[plan.leader]
         self.freed = freed
-        self.capacity, self.min_blocks = capacity or blocks, min_blocks
-        self.ledger = PageLedger(self.capacity)
-        self.ledger.withdraw(range(blocks, self.capacity))
+        self.ledger = ledger or PageLedger(blocks)
+        self.capacity, self.min_blocks = self.ledger.num_pages, min_blocks
         self.blocks = BlockManager(self.ledger, self.leader.limits.block_size)
         limits = self.leader.limits
         self.scheduler = Scheduler(self.blocks, self.leader.scheduler.max_num_seqs, limits.max_num_batched_tokens,

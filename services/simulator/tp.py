@@ -1,5 +1,7 @@
 """AMOEBAs' runtime merge of simulated executors serving alone into one TP instance, and its split back
-(services/executor/fabric/transform.py, merge.py), with the running requests keeping their tokens and KV.
+(services/executor/fabric/transform.py, merge.py), with the running requests keeping their tokens and KV; and
+the TP instances `up --tp` starts (`started`), each member's arena laid out as its shard of every layer
+(`member_shape`, fabric/shards.py), which swap as a whole (instance.py's `swap`) and do not split.
 
 Memory, as the fabric counts it: a member of a TP-k instance keeps its 1/k of every layer's FFN where it lies,
 and the slot pages none of it touches become KV pages (merge.py: one page a layer stays shared by a kept and a

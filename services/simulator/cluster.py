@@ -169,7 +169,7 @@ class Simulation:
                              f"hold {[len(names) for names in self.fleet.worlds()]}")
         names = list(self.executors)  # pairs in order: worlds of even sizes hold each pair whole
         for plan in parse_plans(spare_plan(len(names), num_layers), names, num_layers):
-            SimInstance(plan, {m: self.executors[m] for m in plan.members}, self.fleet.max_model_len)
+            SimInstance(plan, {m: self.executors[m] for m in plan.members})
 
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:

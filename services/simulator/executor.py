@@ -101,7 +101,7 @@ class SimExecutor(MemberArena):
                            for bits in (FULL_BITS, 8, 4)}
         num_pages = spec.memory // self.page_bytes
         need = self.shape.num_layers * self.slot_pages[FULL_BITS] + (
-            1 if in_world else math.ceil(self.max_model_len / block))
+            1 if in_world else self.sequence_blocks())
         if num_pages < need:
             raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
                              f"{self.page_bytes} bytes; the layers and " + ("one block" if in_world else

@@ -100,18 +100,18 @@ def swap(instance, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
 class SimInstance:
     """A TP1 instance of several members (`members`: SimExecutor by name, the plan's leader among them)."""
 
-    def __init__(self, plan: InstancePlan, members: dict, max_model_len: int):
+    def __init__(self, plan: InstancePlan, members: dict):
         self.plan, self.members = plan, members
         self.parts = _parts(plan)
         self.leader = members[plan.leader]
         for name, member in members.items():
             member.hold(layers_on(plan, name), [layer.bits for layer in plan.layers])
         self.capacity = min(m.ledger.num_pages for m in members.values())
-        self.min_blocks = -(-max_model_len // self.leader.limits.block_size)
+        self.min_blocks = self.leader.sequence_blocks()
         blocks = min(self.capacity, *(m.outside_slots() for m in members.values()))
         if blocks < self.min_blocks:
             raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks, fewer than one sequence of "
-                             f"{max_model_len} tokens needs ({self.min_blocks})")
+                             f"{self.leader.max_model_len} tokens needs ({self.min_blocks})")
         self.ledger = PageLedger(self.capacity)
         self.ledger.withdraw(range(blocks, self.capacity))
         self.blocks = BlockManager(self.ledger, self.leader.limits.block_size)

@@ -58,6 +58,11 @@ class MemberArena:
         if group.plan.leader == self.id:
             self.scheduler, self.blocks = group.scheduler, group.blocks
 
+    def sequence_blocks(self) -> int:
+        """KV blocks one sequence of the longest length takes: what an executor alone, and an instance of several,
+        must hold at the least."""
+        return -(-self.max_model_len // self.limits.block_size)
+
     def blocks_at_end(self, prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a sequence holds once it ends (its last token is sampled, never written)."""
         tokens = min(prompt_tokens + max_tokens, self.max_model_len)

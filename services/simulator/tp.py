@@ -58,7 +58,7 @@ def started(plan: InstancePlan, members: dict, laid_out: dict) -> "SimTpInstance
     blocks (a thousand-executor fleet starts hundreds alike: each is a copy of the first)."""
     blocks = min(member.ledger.num_free for member in members.values())
     leader = members[plan.leader]
-    need = -(-leader.max_model_len // leader.limits.block_size)
+    need = leader.sequence_blocks()
     if blocks < need:
         raise ValueError(f"instance {plan.id}: its members back {blocks} KV blocks; one sequence of "
                          f"{leader.max_model_len} tokens needs {need}")

@@ -116,21 +116,24 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
     return best
 
 
-# [state, model, what was sent, a heap of (load, what was sent when weighed), what each reported (suspect, queue,
-# KV pages used, free) by id]: one state is routed on at a time, and what was sent only grows while it is the
-# same mapping (Unreported.view)
-_order_cache: list = [None, None, None, [], {}]
+# [state, what was sent, {model: (a heap of (load, what was sent when weighed), what each reported (suspect,
+# queue, KV pages used, free) by id)}]: one state is routed on at a time, and what was sent only grows while it is
+# the same mapping (Unreported.view); requests for several models take turns, each model's executors weighed once
+_order_cache: list = [None, None, {}]
 
 
 def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> tuple[list, dict[str, tuple]]:
-    if _order_cache[0] is not state or _order_cache[1] != model or _order_cache[2] is not sent:
+    if _order_cache[0] is not state or _order_cache[1] is not sent:
+        _order_cache[:] = [state, sent, {}]
+    by_model = _order_cache[2]
+    if model not in by_model:
         reported = {e.executor: (e.suspect, e.telemetry.waiting, e.telemetry.kv.pages_used, e.telemetry.kv.pages_free)
                     for e in serving(state, model)}
         heap = [(_weigh(*r, name, now), now) for name, r in reported.items()
                 for now in [sent.get(name, NOTHING_SENT)]]
         heapq.heapify(heap)
-        _order_cache[:] = [state, model, sent, heap, reported]
-    return _order_cache[3], _order_cache[4]
+        by_model[model] = heap, reported
+    return by_model[model]
 
 
 def _weigh(suspect: bool, waiting: int, used: int, free: int, name: str, sent: Sent) -> tuple:

@@ -135,22 +135,25 @@ def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, send
     assert choose_executor(s, exclude, "m", unreported=sent) == expected
 
 
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),
-       st.lists(st.tuples(st.integers(0, 30), st.sets(st.integers(0, 7), max_size=3)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans(), st.sampled_from("mn")), min_size=1,
+                max_size=8),
+       st.lists(st.tuples(st.integers(0, 30), st.sets(st.integers(0, 7), max_size=3), st.sampled_from("mn")),
+                min_size=1, max_size=30))
 def test_a_state_routed_on_request_after_request_picks_what_weighing_every_executor_picks(executors, arrivals):
-    """The router keeps its weighing between two states; every send, and every refusal's exclusion, still leaves
-    its choice the least loaded of all."""
+    """The router keeps its weighing between two states, each model's apart; every send, and every refusal's
+    exclusion, still leaves its choice the least loaded of all that serve the model asked for."""
     from services.gateway.router import kv_in_use
-    s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
-                for i, (free, waiting, suspect) in enumerate(executors)))
+    s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect, model=model)
+                for i, (free, waiting, suspect, model) in enumerate(executors)))
     sent = Unreported()
-    for t, (pages, excluded) in enumerate(arrivals):
+    for t, (pages, excluded, model) in enumerate(arrivals):
         exclude = {f"e{i}" for i in excluded}
         view = sent.view()
         expected = min(((e.suspect, e.telemetry.waiting + view[e.executor].requests if e.executor in view
                          else e.telemetry.waiting, kv_in_use(e, view[e.executor].pages if e.executor in view else 0),
-                         e.executor) for e in s.executors if e.executor not in exclude), default=(None,))[-1]
-        chosen = choose_executor(s, exclude, "m", unreported=view)
+                         e.executor) for e in s.executors if e.executor not in exclude and e.telemetry.model == model),
+                       default=(None,))[-1]
+        chosen = choose_executor(s, exclude, model, unreported=view)
         assert chosen == expected
         if chosen is not None:
             sent.add(chosen, float(t + 1), pages)

@@ -63,6 +63,16 @@ def mode_summary(windows: dict[str, dict]) -> dict:
     return out
 
 
+def model_summaries(windows: dict[str, dict]) -> dict:
+    """For a fleet serving several models (`morphling simulate`'s): `models`, each model's mean over the windows
+    of every summed key; nothing for one model."""
+    first = next(iter(windows.values()))
+    if "models" not in first:
+        return {}
+    return {"models": {name: {key: _mean([w["models"][name][key] for w in windows.values()]) for key in SUMMED}
+                       for name in first["models"]}}
+
+
 def add_quality(results: dict[str, dict[str, dict]], replays: dict[str, dict]) -> None:
     """Each (mode, window) result's `quality`: agreement with fp16's tokens for the same requests."""
     reference = replays.get("fp16", {})
@@ -114,9 +124,7 @@ def print_table(modes: dict[str, dict], compared: dict[str, dict]) -> None:
                                                if lo_hi and len(s["windows"]) > 1 else ""))
         rows.append([mode, *cells, _cell(s["quality"]["prefix_agreement"], "{:.3f}"),
                      _cell(s["reaction"]["decided_after_s"], "{:.2f}"), str(s["actions"])])
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    for row in (headers, *rows):
-        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    _print_rows(headers, rows)
     for mode, c in compared.items():
         x, xs = c["ttft_p95_x_better_than_fp16"], c["ttft_p95_x_spread"]
         p, ps = c["slo_violation_points_fewer"], c["slo_violation_points_spread"]
@@ -124,3 +132,19 @@ def print_table(modes: dict[str, dict], compared: dict[str, dict]) -> None:
               + (f" ({xs[0]:.2f}-{xs[1]:.2f})" if xs else "")
               + f", SLO violations {_cell(p, '{:+.1f}')} points fewer"
               + (f" ({ps[0]:+.1f} to {ps[1]:+.1f})" if ps else ""))
+
+
+def print_models(modes: dict[str, dict]) -> None:
+    """The table's columns model by model, for the modes that have `models`."""
+    rows = [[mode, name, *(_cell(m[key], fmt) for key, _, fmt in TABLE)]
+            for mode, s in modes.items() for name, m in s.get("models", {}).items()]
+    if not rows:
+        return
+    print("by model:")
+    _print_rows(["mode", "model", *(h for _, h, _ in TABLE)], rows)
+
+
+def _print_rows(headers: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    for row in (headers, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))

@@ -62,7 +62,6 @@ from shared.config import ControllerConfig, MonitorConfig
 from shared.messages import ClusterState, Event, ExecutorTelemetry, InstancePlan, TpMergeArgs
 from shared.plans import parse_plans
 
-MODEL = "simulated"
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
 
 
@@ -96,7 +95,7 @@ class SimRun:
 
 
 @contextmanager
-def _no_cycle_collection() -> Iterator[None]:
+def no_cycle_collection() -> Iterator[None]:
     """The simulation makes millions of objects and few cycles; the cyclic collector rescanning all of them as they
     pile up was 40% of a thousand-executor run's loop (77 s against 45 s, for 0.5 GiB more at the peak)."""
     collecting = gc.isenabled()
@@ -108,6 +107,18 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+def traffic_turns(traffic: dict[str, float]) -> Iterator[str]:
+    """The models in the turns their weights give them, smooth weighted round robin (as nginx spreads requests
+    over weighted servers): every stretch of requests is shared in proportion, the lighter models interleaved."""
+    credit, total = dict.fromkeys(traffic, 0.0), sum(traffic.values())
+    while True:
+        for name, weight in traffic.items():
+            credit[name] += weight
+        chosen = max(credit, key=credit.__getitem__)
+        credit[chosen] -= total
+        yield chosen
+
+
 class Simulation:
     def __init__(self, fleet: Fleet, settings: SimSettings):
         self.fleet, self.settings = fleet, settings
@@ -115,9 +126,10 @@ class Simulation:
         in_world = {name for world in self.worlds for name in world}
         arenas: dict = {}  # empty arenas and instance ledgers laid out: each a copy of the first laid out alike
         plans = fleet.start_plans(settings.static_bits)
-        layouts = {name: tp.member_shape(fleet.shape, plan.tp, rank)
+        specs = {s.id: s for s in fleet.executors}
+        layouts = {name: tp.member_shape(specs[name].shape, plan.tp, rank)
                    for plan in plans for rank, name in enumerate(plan.members)}
-        with _no_cycle_collection():  # a thousand arenas' lists: rescanned as they pile up, half of the set-up
+        with no_cycle_collection():  # a thousand arenas' lists: rescanned as they pile up, half of the set-up
             self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world,
                                                 decode_runs=settings.decode_runs, arenas=arenas,
                                                 layout=layouts.get(s.id))
@@ -149,17 +161,15 @@ class Simulation:
         self._at_rest: dict = {}  # the cluster as it started, by bench/rest.py's rule: what a rest returns to
         self._issued = 0  # requests made so far, over every window: their ids
         self._open: set[int] = set()  # the window's requests not finished or refused yet
+        self._models = traffic_turns(fleet.traffic)  # the model each request asks for, in turn
 
     def _form_worlds(self, plans: list[InstancePlan], laid_out: dict) -> None:
         """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`, their ledgers of
-        block ids copies of those `laid_out` alike), or in the spare plan's pairs."""
-        num_layers = self.fleet.shape.num_layers
+        block ids copies of those `laid_out` alike), or, where the fleet has them serve alone, in the spare plan's
+        pairs."""
         for names in self.worlds:
             for name in names:
                 self.executors[name].join_world(names, self.settings.static_bits)
-        if plans and self.settings.spare:
-            raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
-                             f"{self.fleet.tp} instances")
         for plan in plans:
             tp.started(plan, {name: self.executors[name] for name in plan.members}, laid_out)
         if not self.settings.spare or not self.worlds:
@@ -167,8 +177,18 @@ class Simulation:
         if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):
             raise ValueError(f"the spare plan runs instances of two executors of one world; the fleet's worlds "
                              f"hold {[len(names) for names in self.fleet.worlds()]}")
-        names = list(self.executors)  # pairs in order: worlds of even sizes hold each pair whole
-        for plan in parse_plans(spare_plan(len(names), num_layers), names, num_layers):
+        started = {name for plan in plans for name in plan.members}
+        alone = [name for name in self.executors if name not in started]
+        if not alone:
+            raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
+                             f"{self.fleet.tp} instances")
+        # Pairs in order: worlds of even sizes, each of one model, hold each pair whole; numbered after the TP ones.
+        pairs = [pair for shape in self.fleet.models.values()
+                 for pair in spare_plan(len(self.executors), shape.num_layers)["instances"]
+                 if pair["leader"] in alone and self.executors[pair["leader"]].shape is shape]
+        for k, pair in enumerate(pairs):
+            pair["id"] = f"i{len(plans) + k}"
+        for plan in parse_plans({"instances": pairs}, alone, None):
             SimInstance(plan, {m: self.executors[m] for m in plan.members})
 
     # --- the loop -----------------------------------------------------------------------------------
@@ -180,8 +200,8 @@ class Simulation:
         rest left, as the bench replays its windows on one system. Requests unfinished `drain_s` after the last
         arrival count as failed and are cancelled, as the bench's client cancels them."""
         origin = self.now
-        requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens)
-                    for i, r in enumerate(arrivals)]
+        requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens,
+                               next(self._models)) for i, r in enumerate(arrivals)]
         self._issued += len(requests)
         if self.state is None:  # a fresh cluster: its first reports and state
             for name in self.executors:
@@ -223,7 +243,7 @@ class Simulation:
     def _advance(self, until: float) -> None:
         """Handle every event up to `until`, or until the window's requests are all done when some are open."""
         waiting = bool(self._open)
-        with _no_cycle_collection():
+        with no_cycle_collection():
             while self._heap and self._heap[0][0] <= until and (self._open or not waiting):
                 self.now, _, handler, args = heapq.heappop(self._heap)
                 handler(*args)
@@ -245,7 +265,8 @@ class Simulation:
         if request.error is not None:  # cancelled at the end of its window, while it waited for a merge
             return
         refused: set[str] = set()
-        while (name := choose_executor(self.state, refused, MODEL, unreported=self.unreported.view())) is not None:
+        unreported = self.unreported.view()
+        while (name := choose_executor(self.state, refused, request.model, unreported=unreported)) is not None:
             try:
                 self.executors[name].admit(request, self.now)
             except QueueFullError:
@@ -344,7 +365,7 @@ class Simulation:
     def _build_report(self, name: str) -> bool:
         """Report now; True when the report shows new pressure."""
         self._unbuilt.pop(name, None)
-        telemetry = self.executors[name].telemetry(self.now, MODEL)
+        telemetry = self.executors[name].telemetry(self.now)
         self._published[name] = telemetry.pressure_events
         rose = self._held.arrive(name, telemetry, telemetry.requests, telemetry.instance, telemetry.pressure_events,
                                  self.now)

@@ -34,7 +34,7 @@ from services.executor.engine.scheduling.scheduler import ScheduledChunk, Schedu
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.simulator import costs, decode_run
-from services.simulator.fleet import ExecutorSpec, Fleet
+from services.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
 from services.simulator.instance import SimulatedRefusal, swap
 from services.simulator.member import MemberArena
 from shared.config import ExecutorConfig
@@ -73,6 +73,7 @@ class SimRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    model: str = DEFAULT_MODEL  # the model it asks for (a fleet of several: its traffic's turn, cluster.py)
     executor: str | None = None
     admitted_s: float | None = None
     first_scheduled_s: float | None = None
@@ -93,8 +94,8 @@ class SimExecutor(MemberArena):
         (decode_run.py); without, every step is scheduled alone (the same results, slower). `arenas`: empty
         arenas laid out before, shared by a fleet's executors (`_laid_out`). `layout`: the layers its arena
         holds, a TP member's shard of them (tp.member_shape); the model's by default."""
-        self.spec, self.id, self.shape = spec, spec.id, fleet.shape
-        self.limits, self.max_model_len = fleet.engine, fleet.max_model_len
+        self.spec, self.id, self.shape = spec, spec.id, spec.shape
+        self.limits, self.max_model_len = fleet.engine, fleet.max_model_len(spec.shape)
         block, self.layout = self.limits.block_size, layout or self.shape
         self.page_bytes = 2 * self.layout.num_layers * self.layout.kv_size * spec.dtype_bytes * block
         self.slot_pages = {bits: math.ceil(weight_bytes(self.layout, bits, spec.dtype_bytes) / self.page_bytes)
@@ -416,7 +417,7 @@ class SimExecutor(MemberArena):
         return range(layer * size, (layer + 1) * size)
 
     # --- telemetry --------------------------------------------------------------------------------
-    def telemetry(self, now: float, model: str) -> ExecutorTelemetry:
+    def telemetry(self, now: float) -> ExecutorTelemetry:
         (self if self.group is None else self.group.leader).settle(now)  # a member's busy spans are the leader's
         leads = self.group is None or self.group.plan.leader == self.id
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
@@ -424,7 +425,7 @@ class SimExecutor(MemberArena):
         # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once.
         longest = max((len(s.prompt_ids) + s.params.max_tokens for s in waiting), default=0)
         return ExecutorTelemetry(
-            executor=self.id, instance=self.instance, time=now, model=model, max_model_len=self.max_model_len,
+            executor=self.id, instance=self.instance, time=now, model=self.shape.name, max_model_len=self.max_model_len,
             block_size=self.limits.block_size, page_bytes=self.page_bytes, kv=self.kv_pages(snap),
             layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
             world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),

@@ -118,7 +118,7 @@ def tp_steps(fleet: Fleet, measured: dict) -> list[dict]:
         context = config["prompt_tokens"] + phase_index * steps + steps // 2
         chunks = decodes(sequences, context)
         predicted = (merged.step_seconds(chunks)[0] if phase == "merged"
-                     else step_seconds(leader.spec, [FULL_BITS] * fleet.shape.num_layers, chunks))
+                     else step_seconds(leader.spec, [FULL_BITS] * leader.shape.num_layers, chunks))
         rows.append({"phase": phase, "batch": sequences, "context": context, "measured_ms": measured_ms[phase],
                      "predicted_ms": predicted * 1e3, "error": relative_error(predicted * 1e3, measured_ms[phase])})
     return rows

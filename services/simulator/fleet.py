@@ -12,7 +12,11 @@ A fleet file is JSON:
      "swap_s_per_layer": {"quantize": 0.0037, "restore": 0.0034}}
 
 - `model` is a shape the planner knows (shared/planner/shapes.py); "default" is SmolLM2-135M, the model
-  `morphling up` serves.
+  `morphling up` serves. An executor entry may name its own `model` (and `tp`), so that one fleet serves
+  several models side by side, each world one of them (a host's executors serve one model, as `up` starts
+  them); `traffic` then says what share of the trace's requests each model takes
+  (`{"llama-3-8b": 3, "llama-3-70b": 1}`: relative weights). The gateway routes a request to the executors
+  serving the model it names.
 - Each executor entry is `count` executors of one device of the devices table (shared/planner/devices.py),
   named exec0, exec1, ... in file order. `memory` is its arena (decoder layers and KV), as `--memory-budget`
   gives it; without it, the device's usable memory less the embeddings and LM head, which live outside the
@@ -29,7 +33,8 @@ A fleet file is JSON:
 - `tp`: consecutive executors of each world form instances of that tensor-parallel degree at the start, as
   `morphling up --tp K` starts them (1, 2 or 4; it divides the world's executors): each member's arena holds its
   shard of every layer (its query and KV heads, its FFN pieces) and its heads' KV, so a model too big for one
-  device (Llama-3-70B on an H100) serves. Without it every executor serves alone.
+  device (Llama-3-70B on an H100) serves. Without it every executor serves alone. An entry's own `tp` is its
+  executors'. The instances are numbered over the fleet (i0, i1, ...), one id each, as the monitor keys them.
 - `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
   it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
 - `all_reduce_s`: the measured line `{"intercept_s": ..., "per_byte_s": ...}` of summing B bytes of hidden
@@ -80,6 +85,7 @@ class EngineLimits:
 class ExecutorSpec:
     id: str
     device: Device
+    shape: ModelShape  # the model it serves
     memory: int  # bytes of the arena
     dtype_bytes: int
     latency: FittedLatency | RooflineLatency
@@ -88,15 +94,15 @@ class ExecutorSpec:
     all_reduce: Line | None = None  # seconds to sum B bytes across a TP instance's members; None: a hop's
     swap_s: dict[str, float] = field(default_factory=dict)  # measured "quantize"/"restore" seconds per layer
     operation_s: dict[str, Line] = field(default_factory=dict)  # measured seconds of an operation, over its layers
+    tp: int = 1  # the TP degree of the instance it starts in (1: it serves alone)
 
 
 @dataclass(frozen=True)
 class Fleet:
-    shape: ModelShape
     engine: EngineLimits
     executors: list[ExecutorSpec]
     world_size: int = 0  # executors per world, in order; 0: all in one
-    tp: int = 1  # the TP degree of the instances the executors start in (1: each serves alone)
+    traffic: dict[str, float] = field(default_factory=dict)  # model name -> its weight among the trace's requests
 
     def worlds(self) -> list[list[str]]:
         """The executors' names, world by world."""
@@ -104,16 +110,30 @@ class Fleet:
         size = self.world_size or len(names)
         return [names[i:i + size] for i in range(0, len(names), size)]
 
-    def start_plans(self, bits: int) -> list[InstancePlan]:
-        """The TP instances the executors start in (none when each serves alone): `up --tp`'s, world by world."""
-        if self.tp == 1:
-            return []
-        return [plan for world in self.worlds()
-                for plan in tp_plans(world, self.tp, self.shape.num_layers, bits)]
+    @property
+    def models(self) -> dict[str, ModelShape]:
+        """The models the fleet serves, by name, in file order."""
+        return {s.shape.name: s.shape for s in self.executors}
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len or self.shape.max_position
+    def tp(self) -> int:
+        """The largest TP degree its executors start at (1: all serve alone)."""
+        return max(s.tp for s in self.executors)
+
+    def start_plans(self, bits: int) -> list[InstancePlan]:
+        """The TP instances the executors start in (none where each serves alone): `up --tp`'s, world by world,
+        numbered over the fleet."""
+        by_id = {s.id: s for s in self.executors}
+        plans = []
+        for world in self.worlds():
+            first = by_id[world[0]]
+            if first.tp > 1:
+                plans += [plan.model_copy(update={"id": f"i{len(plans) + k}"})
+                          for k, plan in enumerate(tp_plans(world, first.tp, first.shape.num_layers, bits))]
+        return plans
+
+    def max_model_len(self, shape: ModelShape) -> int:
+        return self.engine.max_model_len or shape.max_position
 
 
 def lm_head_overhead(device: Device, shape: ModelShape, dtype_bytes: int) -> Line:
@@ -131,12 +151,28 @@ def _read_json(path: Path, what: str) -> object:
         raise FleetError(f"cannot read the {what} {path}: {exc}") from exc
 
 
-def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, base: Path) -> list[ExecutorSpec]:
+def _shape(name: object, where: str) -> ModelShape:
+    shape = SHAPES.get(DEFAULT_MODEL if name == "default" else name) if isinstance(name, str) else None
+    if shape is None:
+        raise FleetError(f"{where}: unknown model {name!r}; the shapes are default, {', '.join(SHAPES)}")
+    return shape
+
+
+def _tp(given: object, where: str) -> int:
+    if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+        raise FleetError(f"{where}: tp must be a positive integer (the TP degree instances start at), got {given!r}")
+    return given
+
+
+def _executor_specs(entry: object, where: str, model: str, tp: int, start: int, base: Path) -> list[ExecutorSpec]:
+    """The executors of one entry; `model` and `tp` are the fleet's, unless the entry names its own."""
     if not isinstance(entry, dict):
         raise FleetError(f"{where}: expected {{\"device\": ..., \"count\": ...}}, got {entry!r}")
-    unknown = set(entry) - {"device", "count", "memory", "latency_profile", "speedup_profile", "dtype_bytes"}
+    unknown = set(entry) - {"device", "count", "memory", "latency_profile", "speedup_profile", "dtype_bytes",
+                            "model", "tp"}
     if unknown:
         raise FleetError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    shape, tp = _shape(entry.get("model", model), where), _tp(entry.get("tp", tp), where)
     given = {"memory": entry["memory"]} if "memory" in entry else {}
     try:  # the planner's devices table, and its reading of a device and its memory
         device = read_device({"name": entry.get("device"), **given}, where)
@@ -174,8 +210,8 @@ def _executor_specs(entry: object, where: str, shape: ModelShape, start: int, ba
         overhead, hop, reduce = lm_head_overhead(device, shape, dtype_bytes), Line(0.0, 1.0 / device.link), None
     else:
         raise FleetError(f"{where}: {device.name} needs a speedup_profile for the rest of a step")
-    return [ExecutorSpec(f"exec{start + i}", device, memory, dtype_bytes, latency, overhead, hop, all_reduce=reduce)
-            for i in range(count)]
+    return [ExecutorSpec(f"exec{start + i}", device, shape, memory, dtype_bytes, latency, overhead, hop,
+                         all_reduce=reduce, tp=tp) for i in range(count)]
 
 
 def _operation_lines(given: object, where: str) -> dict[str, Line]:
@@ -192,19 +228,46 @@ def _line(given: object, slope: str, where: str) -> Line:
     return Line(float(numbers[0]), float(numbers[1]))
 
 
+def _traffic(given: object, models: dict[str, ModelShape], where: str) -> dict[str, float]:
+    """Each model's weight among the trace's requests: the file's, by the names its models go by; one model takes
+    them all."""
+    if given is None:
+        if len(models) > 1:
+            raise FleetError(f"{where}: the fleet serves {' and '.join(models)}: give traffic, each model's share of "
+                             f"the trace's requests ({{\"{next(iter(models))}\": 1, ...}})")
+        return {name: 1.0 for name in models}
+    if not isinstance(given, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in given.values()):
+        raise FleetError(f"{where}: traffic takes a positive weight per model, got {given!r}")
+    weights = {_shape(name, f"{where}: traffic").name: float(w) for name, w in given.items()}
+    if set(weights) != set(models) or len(weights) != len(given):
+        raise FleetError(f"{where}: traffic names {', '.join(sorted(weights))}; the fleet serves "
+                         f"{', '.join(models)}: one weight each")
+    return {name: weights[name] for name in models}
+
+
+def _check_worlds(fleet: Fleet, where: str) -> None:
+    """A world serves one model at one TP degree, as `up` starts a host's executors."""
+    by_id = {s.id: s for s in fleet.executors}
+    for world in fleet.worlds():
+        kinds = sorted({(by_id[name].shape.name, by_id[name].tp) for name in world})
+        if len(kinds) > 1:
+            raise FleetError(f"{where}: the world of {world[0]}-{world[-1]} holds executors of "
+                             + " and ".join(f"{model} at TP{tp}" for model, tp in kinds)
+                             + ": a world serves one model at one TP degree (see world_size)")
+
+
 def read_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     data = _read_json(path, "fleet file")
     if not isinstance(data, dict) or not isinstance(data.get("executors"), list) or not data["executors"]:
         raise FleetError(f"{path}: expected {{\"model\": ..., \"executors\": [{{\"device\": ..., \"count\": ...}}]}}")
     unknown = set(data) - {"model", "executors", "engine", "swap_s_per_layer", "operation_s", "all_reduce_s",
-                           "world_size", "tp"}
+                           "world_size", "tp", "traffic"}
     if unknown:
         raise FleetError(f"{path}: unknown field {sorted(unknown)[0]!r}")
-    name = data.get("model", "default")
-    shape = SHAPES.get(DEFAULT_MODEL if name == "default" else name)
-    if shape is None:
-        raise FleetError(f"{path}: unknown model {name!r}; the shapes are default, {', '.join(SHAPES)}")
+    model = data.get("model", "default")
+    _shape(model, str(path))
     engine = data.get("engine", {})
     if not isinstance(engine, dict) or set(engine) - set(ENGINE_LIMITS) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in engine.values()):
@@ -219,18 +282,18 @@ def read_fleet(path: str | Path) -> Fleet:
     world_size = data.get("world_size", 0)
     if "world_size" in data and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise FleetError(f"{path}: world_size must be a positive integer (executors per world), got {world_size!r}")
-    tp = data.get("tp", 1)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise FleetError(f"{path}: tp must be a positive integer (the TP degree instances start at), got {tp!r}")
+    tp = _tp(data.get("tp", 1), str(path))
     specs: list[ExecutorSpec] = []
     for i, entry in enumerate(data["executors"]):
-        specs += _executor_specs(entry, f"{path}: executors[{i}]", shape, len(specs), path.parent)
+        specs += _executor_specs(entry, f"{path}: executors[{i}]", model, tp, len(specs), path.parent)
     unmodelled = sorted({s.device.name for s in specs if s.device.bandwidth <= 0})
     if unmodelled and set(swap) != {"quantize", "restore"}:
         raise FleetError(f"{path}: {', '.join(unmodelled)} has no bandwidth to model a swap with: give "
                          f"swap_s_per_layer (quantize and restore, as measured there)")
-    fleet = Fleet(shape, limits, [replace(s, swap_s=dict(swap), operation_s=operations,
-                                          all_reduce=reduce or s.all_reduce) for s in specs], world_size, tp)
+    specs = [replace(s, swap_s=dict(swap), operation_s=operations, all_reduce=reduce or s.all_reduce) for s in specs]
+    fleet = Fleet(limits, specs, world_size)
+    fleet = replace(fleet, traffic=_traffic(data.get("traffic"), fleet.models, str(path)))
+    _check_worlds(fleet, str(path))
     try:
         fleet.start_plans(FULL_BITS)
     except PlanError as exc:

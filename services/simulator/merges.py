@@ -14,7 +14,6 @@ from services.simulator.executor import SimRequest
 from shared.messages import TpMergeArgs
 from shared.tp_scheduler import Merge, Refuse, Route, SchedulerState, decide, instances_from
 
-MODEL = "simulated"
 POLL_S = 0.05  # the gateway's, between looks at the state
 STRATEGY = "amoebas"
 
@@ -32,7 +31,7 @@ class MergeRoom:
             return
         sim, state = self.sim, self.sim.state
         tokens = request.prompt_tokens + request.output_tokens
-        instances = instances_from(state, MODEL, self.free_fraction)
+        instances = instances_from(state, request.model, self.free_fraction)
         need = -(-tokens // instances[0].block_size) if instances else 0
         for closed in (i for i in instances if not i.accepting and i.blocks_free >= need):
             sim.admit_on(closed.members[0].executor, request)

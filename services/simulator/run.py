@@ -22,6 +22,7 @@ take (cocoserve on an odd count) fails with the fleet's error.
 """
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -35,13 +36,15 @@ from services.bench.metrics import percentile
 from services.bench.modes import MODES
 from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
-from services.bench.report import comparison, mode_summary, print_table, window_result
+from services.bench.metrics import summarize
+from services.bench.report import comparison, mode_summary, model_summaries, print_models, print_table, window_result
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
-from services.simulator.cluster import SimRun, SimSettings, Simulation
+from services.simulator.cluster import SimRun, SimSettings, Simulation, no_cycle_collection
 from services.simulator.fidelity import (compare, decode_steps, print_decode_steps, print_fidelity, print_tp_steps,
                                         tp_steps)
-from services.simulator.fleet import Fleet, FleetError, read_fleet
+from services.simulator.executor import SimRequest
+from services.simulator.fleet import DEFAULT_MODEL, Fleet, FleetError, read_fleet
 from shared.config import ControllerConfig, MonitorConfig, data_dir
 from shared.provenance import provenance
 
@@ -177,22 +180,48 @@ def records(played: SimRun) -> list[RequestRecord]:
     return out
 
 
-def precision_share(played: SimRun) -> dict[tuple[int, int], float]:
+def precision_share(requests: list[SimRequest]) -> dict[tuple[int, int], float]:
     """Share of the generated tokens at each (INT8 layers, INT4 layers) mix, counted token by token."""
     counts: dict[tuple[int, int], int] = {}
-    for r in played.requests:
+    for r in requests:
         for mix, n in r.token_bits.items():
             counts[mix] = counts.get(mix, 0) + n
     total = sum(counts.values())
     return {mix: n / total for mix, n in sorted(counts.items())} if total else {}
 
 
-def window_report(played: SimRun, wall_s: float, args, table, model: str, rest: dict | None = None) -> dict:
+def table_name(fleet: Fleet) -> str:
+    """The model a perplexity table names (`morphling eval ppl`'s): "default" for the default model; a fleet of
+    several has no one table."""
+    names = ["default" if name == DEFAULT_MODEL else name for name in fleet.models]
+    return "+".join(names)
+
+
+def by_model(played: SimRun, replay: argparse.Namespace, fleet: Fleet, args, table) -> dict[str, dict]:
+    """A fleet of several models: each model's own summary, over the requests that asked for it and the samples
+    of the executors serving it, with the precision its tokens were generated at."""
+    serves = {s.id: s.shape.name for s in fleet.executors}
+    out = {}
+    for name, shape in fleet.models.items():
+        mine = [i for i, r in enumerate(played.requests) if r.model == name]
+        samples = [ClusterSample(s.time_s, [e for e in s.executors if serves[e["id"]] == name])
+                   for s in replay.samples]
+        summary = summarize([replay.records[i] for i in mine], samples, args.slo_ttft)
+        del summary["timeline"]
+        share = precision_share([played.requests[i] for i in mine])
+        out[name] = summary | {"precision": quality(share, table, table_name(replace(fleet, executors=[
+            s for s in fleet.executors if s.shape is shape])))}
+    return out
+
+
+def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest: dict | None = None) -> dict:
     replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
     result = window_result(replay, actions(played.events, played.origin), reaction(played.events, played.origin),
-                           args.slo_ttft, table, model, rest)
-    result["precision"] = quality(precision_share(played), table, model)
+                           args.slo_ttft, table, table_name(fleet), rest)
+    result["precision"] = quality(precision_share(played.requests), table, table_name(fleet))
+    if len(fleet.models) > 1:
+        result["models"] = by_model(played, replay, fleet, args, table)
     result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],
                          "full_precision_token_share": result["precision"]["full_precision_token_share"]}
     result["simulation"] = {
@@ -218,7 +247,7 @@ def measure_capacity(fleet, rows, args) -> dict:
 
 def compare_steps(fleet: Fleet, args: argparse.Namespace) -> int:
     spec = fleet.executors[0]
-    steps = decode_steps(spec, fleet.shape.num_layers, args.measured_steps)
+    steps = decode_steps(spec, spec.shape.num_layers, args.measured_steps)
     print_decode_steps(steps, spec, args.measured_steps)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"steps": steps, "measured": str(args.compare_steps), "device": spec.device.name,
@@ -240,11 +269,32 @@ def compare_tp(fleet: Fleet, args: argparse.Namespace) -> int:
 
 def check_modes(fleet: Fleet, modes: list[str]) -> None:
     """FleetError for a mode the fleet's executors cannot start in: CoCoServe's pairs of executors serving alone,
-    on a fleet started in TP instances."""
-    cannot = [m for m in modes if MODES[m].spare] if fleet.tp > 1 else []
+    on a fleet that starts every executor in a TP instance (where some serve alone, they pair)."""
+    cannot = [m for m in modes if MODES[m].spare] if all(s.tp > 1 for s in fleet.executors) else []
     if cannot:
         raise FleetError(f"{', '.join(cannot)} cannot run on a fleet started in TP{fleet.tp} instances: CoCoServe "
                          f"starts from pairs of executors serving alone")
+
+
+def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, table) -> dict[str, dict]:
+    """Every window of `mode` on one cluster, in turn, with the bench's rest between two: each window's result."""
+    results, rest = {}, None
+    began = time.perf_counter()
+    simulation = Simulation(fleet, settings_for(mode, args))
+    setup_s = time.perf_counter() - began
+    for i, w in enumerate(windows):
+        if i:
+            waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
+            rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
+        arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len), args.copies)
+        played, wall_s = timed(simulation, arrivals)
+        wall_s += setup_s if i == 0 else 0.0
+        results[w.name] = window_report(played, wall_s, args, table, fleet, rest)
+        print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in {wall_s:.1f} s"
+              + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""), file=sys.stderr)
+    del simulation
+    gc.collect()  # the mode's cluster: its instances and merge room hold cycles
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,10 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FleetError, TraceError) as e:
         print(f"morphling simulate: {e}", file=sys.stderr)
         return 2
-    model = "default" if fleet.shape.name == "smollm2-135m" else fleet.shape.name
     table = PerplexityTable.load(args.ppl_table)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"morphling simulate: {len(fleet.executors)} executors of {fleet.shape.name}; modes "
+    print(f"morphling simulate: {len(fleet.executors)} executors of {' and '.join(fleet.models)}; modes "
           f"{', '.join(args.modes)}; windows " + ", ".join(w.name for w in windows), file=sys.stderr)
     if args.rate_scale is None:
         capacity = measure_capacity(fleet, rows, args)
@@ -275,25 +324,10 @@ def main(argv: list[str] | None = None) -> int:
               f"x{capacity['rate_scale']:.3f}")
     else:
         capacity = {"given": True, "rate_scale": args.rate_scale}
-    results = {}
-    for mode in args.modes:
-        results[mode], rest = {}, None
-        began = time.perf_counter()
-        simulation = Simulation(fleet, settings_for(mode, args))
-        setup_s = time.perf_counter() - began
-        for i, w in enumerate(windows):
-            if i:
-                waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
-                rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
-            arrivals = superposed(requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len),
-                                  args.copies)
-            played, wall_s = timed(simulation, arrivals)
-            wall_s += setup_s if i == 0 else 0.0
-            results[mode][w.name] = window_report(played, wall_s, args, table, model, rest)
-            print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "
-                  f"{wall_s:.1f} s" + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""),
-                  file=sys.stderr)
-    modes = {mode: mode_summary(ws) for mode, ws in results.items()}
+    with no_cycle_collection():  # collected once a mode: between windows it rescanned every arena's lists
+        results = {mode: play_mode(fleet, mode, windows, rows, capacity["rate_scale"], args, table)
+                   for mode in args.modes}
+    modes = {mode: mode_summary(ws) | model_summaries(ws) for mode, ws in results.items()}
     for mode, ws in results.items():
         for name, result in ws.items():
             plot_timeline(f"{mode} {name}", result, args.slo_ttft, args.out / f"timeline_{mode}_{name}.png")
@@ -301,14 +335,15 @@ def main(argv: list[str] | None = None) -> int:
                   args.slo_ttft, args.out / "ttft_cdf.png")
     compared = comparison(modes)
     report = {"modes": modes, "comparison": compared, "capacity": capacity, "simulated": True,
-              "fleet": {"model": fleet.shape.name, "executors": [
-                  {"id": s.id, "device": s.device.name, "memory": s.memory, "latency": s.latency.source}
-                  for s in fleet.executors]},
+              "fleet": {"models": list(fleet.models), "traffic": fleet.traffic, "executors": [
+                  {"id": s.id, "device": s.device.name, "model": s.shape.name, "tp": s.tp, "memory": s.memory,
+                   "latency": s.latency.source} for s in fleet.executors]},
               "windows": [vars(w) | {"name": w.name} for w in windows], **provenance(args, skip=("measured",))}
     if args.compare is not None:
         report["fidelity"] = {"measured": str(args.compare), "modes": compare(report, args.measured)}
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     print_table(modes, compared)
+    print_models(modes)
     if args.compare is not None:
         print_fidelity(report["fidelity"]["modes"])
     print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} and a timeline per mode and window")

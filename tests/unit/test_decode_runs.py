@@ -88,7 +88,7 @@ def seen(sim: Simulation, runs: list) -> dict:
             "samples": [run.samples for run in runs], "events": [[e.model_dump() for e in run.events] for run in runs],
             "decisions": [run.decisions for run in runs], "now": sim.now, "states": sim.states,
             "executors": {name: (e.ledger.snapshot(), e.layer_bits, e.counts, e.scheduler.num_preemptions,
-                                 e.telemetry(sim.now, "m").model_dump(exclude={"instance"}))
+                                 e.telemetry(sim.now).model_dump(exclude={"instance"}))
                           for name, e in sim.executors.items()}}
 
 

@@ -6,6 +6,7 @@ layers, KV heads 3 x 64, float32 on cpu, so a page (one 16-token block for every
 and 3 at INT4 (2,013,696)."""
 
 import ast
+import itertools
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from services.controller.policies.interface import PlannedCommand
 from services.simulator import run as simulate_cli
 from services.simulator import tp
 from services.monitor.aggregate import ClusterView
-from services.simulator.cluster import SimSettings, Simulation
+from services.simulator.cluster import SimSettings, Simulation, traffic_turns
 from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.simulator.fidelity import compare
 from services.simulator.fleet import FleetError, read_fleet
@@ -136,7 +137,14 @@ def test_the_fleet_file_is_checked(tmp_path):
                             ({"tp": 2}, "must divide the 1 executors"),
                             ({"executors": [{"device": "H100-80GB", "count": 3}], "tp": 3}, "divide the FFN's"),
                             ({"all_reduce_s": {"intercept_s": -1, "per_byte_s": 0}}, "all_reduce_s must be"),
-                            ({"gpus": 8}, "unknown field")):
+                            ({"gpus": 8}, "unknown field"),
+                            ({"executors": [{"device": "H100-80GB", "count": 1, "model": "gpt-5"}]}, "unknown model"),
+                            ({"executors": [{"device": "H100-80GB", "count": 3, "tp": 3}]}, "divide the FFN's"),
+                            ({"traffic": {"default": 0}}, "a positive weight per model"),
+                            (MIXED, "serves llama-3-70b and llama-3-8b: give traffic"),
+                            (MIXED | {"traffic": {"llama-3-70b": 1, "default": 1}}, "one weight each"),
+                            (MIXED | {"traffic": {"llama-3-70b": 1, "llama-3-8b": 1}, "world_size": 16},
+                             "exec0-exec15 holds executors of llama-3-70b at TP4 and llama-3-8b at TP1")):
         path = tmp_path / "broken.json"
         path.write_text(json.dumps(good | broken))
         with pytest.raises(FleetError, match=message):
@@ -145,14 +153,14 @@ def test_the_fleet_file_is_checked(tmp_path):
     gpu.write_text(json.dumps({"model": "llama-3-8b", "executors": [{"device": "H100-80GB", "count": 8}]}))
     fleet = read_fleet(gpu)
     assert [s.id for s in fleet.executors] == [f"exec{i}" for i in range(8)]
-    assert fleet.executors[0].latency.source == "modelled" and fleet.max_model_len == 8192
+    assert fleet.executors[0].latency.source == "modelled" and fleet.max_model_len(fleet.executors[0].shape) == 8192
 
 
 def test_executors_join_worlds_of_world_size_in_order_and_merge_only_inside_theirs(tmp_path):
     path = write_fleet(tmp_path, count=5)
     path.write_text(json.dumps(json.loads(path.read_text()) | {"world_size": 2}))
     sim = Simulation(read_fleet(path), SimSettings())
-    seen = {name: e.telemetry(0.0, "m") for name, e in sim.executors.items()}
+    seen = {name: e.telemetry(0.0) for name, e in sim.executors.items()}
     assert [seen[n].world for n in ("exec0", "exec3", "exec4")] == [["exec0", "exec1"], ["exec2", "exec3"], []]
     assert [u.tp for u in seen["exec0"].kv_units] == [1, 2] and seen["exec4"].plan is None  # alone: no world
     with pytest.raises(ValueError, match="two executors of one world"):  # exec4 has no pair in its world
@@ -172,7 +180,7 @@ def test_a_fleet_started_at_tp2_lays_out_each_members_shard_and_serves_at_its_le
     assert (leader.page_bytes, leader.ledger.num_pages, leader.slot_pages[16]) == (491_520, 1_200, 16)
     assert (follower.page_bytes, follower.ledger.num_pages, follower.slot_pages[16]) == (245_760, 2_400, 27)
     assert leader.group is follower.group and leader.group.num_blocks == 720
-    seen = leader.telemetry(0.0, "m")
+    seen = leader.telemetry(0.0)
     assert (seen.plan.tp, seen.plan.members, seen.kv.pages_free, seen.kv.pages_slot) == (2, ["exec0", "exec1"], 720,
                                                                                          480)
     with pytest.raises(FollowerRefusal):
@@ -200,6 +208,66 @@ def test_a_model_too_big_for_one_device_serves_at_tp4_and_is_refused_alone(tmp_p
         Simulation(read_fleet(path), SimSettings())
 
 
+MIXED = {"executors": [{"device": "H100-80GB", "count": 8, "model": "llama-3-70b", "tp": 4},
+                       {"device": "H100-80GB", "count": 8, "model": "llama-3-8b"}], "world_size": 8}
+
+
+def test_the_models_take_the_requests_in_turns_in_proportion_to_their_traffic():
+    """Smooth weighted round robin at 1:3: credits (1, 3) give b, (2, 2) a (the first of a tie), (-1, 5) b,
+    (0, 4) b, and back to (0, 0)."""
+    assert list(itertools.islice(traffic_turns({"a": 1, "b": 3}), 8)) == ["b", "a", "b", "b"] * 2
+    assert set(itertools.islice(traffic_turns({"only": 2.5}), 3)) == {"only"}
+
+
+def test_a_fleet_of_two_models_routes_each_request_to_the_executors_serving_the_one_it_asks_for(tmp_path):
+    """A host of eight H100s serving Llama-3-70B in two TP4 instances beside a host of eight serving Llama-3-8B
+    alone, the 8B taking three requests of four: each request is served by an executor of its model, the
+    instances numbered over the fleet, and each report names its executor's model."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(MIXED | {"traffic": {"llama-3-70b": 1, "llama-3-8b": 3}}))
+    fleet = read_fleet(path)
+    assert list(fleet.models) == ["llama-3-70b", "llama-3-8b"] and fleet.traffic == {"llama-3-70b": 1.0,
+                                                                                       "llama-3-8b": 3.0}
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=())))
+    assert {e.group.plan.id for e in sim.executors.values() if e.group} == {"i0", "i1"}
+    assert sim.executors["exec0"].max_model_len == 8192 and sim.executors["exec8"].group is None
+    played = sim.run(burst(12))
+    asked = [r.model for r in played.requests]
+    assert asked == ["llama-3-8b", "llama-3-70b", "llama-3-8b", "llama-3-8b"] * 3
+    serves = {s.id: s.shape.name for s in fleet.executors}
+    assert all(r.error is None and r.tokens == r.output_tokens and serves[r.executor] == r.model
+               for r in played.requests)
+    assert {r.executor for r in played.requests if r.model == "llama-3-70b"} <= {"exec0", "exec4"}
+    assert {e.telemetry.model for e in sim.state.executors} == {"llama-3-70b", "llama-3-8b"}
+    # CoCoServe's spare plan pairs the executors serving alone, and leaves the TP instances as they started
+    groups = {e.group for e in Simulation(fleet, SimSettings(spare=True)).executors.values()}
+    assert sorted((g.plan.id, g.plan.tp, *g.plan.members[:2]) for g in groups) == [
+        ("i0", 4, "exec0", "exec1"), ("i1", 4, "exec4", "exec5"), ("i2", 1, "exec8", "exec9"),
+        ("i3", 1, "exec10", "exec11"), ("i4", 1, "exec12", "exec13"), ("i5", 1, "exec14", "exec15")]
+
+
+def test_simulate_reports_each_model_of_a_fleet_of_several_on_its_own(tmp_path, capsys):
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(MIXED | {"traffic": {"llama-3-70b": 1, "llama-3-8b": 3}}))
+    out = tmp_path / "out"
+    assert simulate_cli.main(["--fleet", str(path), "--modes", "fp16,int8", "--rate-scale", "2", "--busy", "1",
+                              "--ordinary", "0", "--window-s", "5", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["fleet"]["models"] == ["llama-3-70b", "llama-3-8b"]
+    for mode in ("fp16", "int8"):
+        (window,) = report["modes"][mode]["windows"].values()
+        by_model = window["models"]
+        assert by_model["llama-3-70b"]["request_count"] + by_model["llama-3-8b"]["request_count"] == (
+            window["request_count"])
+        assert 2.5 < by_model["llama-3-8b"]["request_count"] / by_model["llama-3-70b"]["request_count"] < 3.5
+        # the 70B's step reads ten times the 8B's weights a token: its TPOT is the longer
+        assert by_model["llama-3-70b"]["tpot_p50"] > by_model["llama-3-8b"]["tpot_p50"]
+        assert report["modes"][mode]["models"]["llama-3-8b"]["ttft_p95"] == by_model["llama-3-8b"]["ttft_p95"]
+    int8 = report["modes"]["int8"]["windows"]
+    assert next(iter(int8.values()))["models"]["llama-3-8b"]["precision"]["mixes"][0]["int8_layers"] == 32
+    assert "by model:" in capsys.readouterr().out
+
+
 def test_cocoserve_is_refused_on_a_fleet_started_at_tp(tmp_path, capsys):
     """CoCoServe starts from pairs of executors serving alone: a fleet started in TP instances has none."""
     path = write_fleet(tmp_path, count=2)
@@ -223,7 +291,7 @@ def test_an_instance_started_at_tp_swaps_as_a_whole_its_blocks_following_the_few
     assert (state["changed"], state["blocks_before"], state["blocks_after"]) == ([0, 1], 720, 744)
     assert seconds == pytest.approx(2 * 0.004)  # the fleet's measured quantize, a layer
     assert leader.layer_bits[:3] == follower.layer_bits[:3] == [8, 8, 16] and leader.group.plan.layers[1].bits == 8
-    seen = {name: e.telemetry(0.0, "m") for name, e in sim.executors.items()}
+    seen = {name: e.telemetry(0.0) for name, e in sim.executors.items()}
     assert seen["exec0"].kv.pages_free == 744 and seen["exec0"].layers[:3] == [8, 8, 16]
     assert (seen["exec0"].spare_pages, seen["exec1"].spare_pages) == (0, 886)
     with pytest.raises(SimulatedRefusal, match="is a member of instance"):
@@ -479,10 +547,10 @@ def test_a_replicate_takes_the_replicas_slots_and_splits_the_batch(tmp_path):
     leader, spare = sim.executors["exec0"], sim.executors["exec1"]
     # exec0 holds 30 slots of 20 pages: 200 of its 800 pages are outside, and the instance has 200 blocks; exec1
     # holds none, backs those 200 blocks and has 600 pages spare.
-    before = spare.telemetry(0.0, "m")
-    assert (before.plan.id, before.spare_pages, leader.telemetry(0.0, "m").kv.pages_free) == ("i0", 600, 200)
+    before = spare.telemetry(0.0)
+    assert (before.plan.id, before.spare_pages, leader.telemetry(0.0).kv.pages_free) == ("i0", 600, 200)
     state, seconds = leader.apply(ReplicateArgs(instance="i0", layers=[0, 9], to="exec1"))
-    after = spare.telemetry(0.0, "m")
+    after = spare.telemetry(0.0)
     assert after.spare_pages == 400 and after.kv.pages_slot == 200 and state["blocks_after"] == 200
     assert [layer.placement for layer in after.plan.layers[9:11]] == [["exec0", "exec1"], ["exec0"]]
     assert seconds == pytest.approx(0.005)  # no measured line: the weights over the hop line, all intercept
@@ -508,7 +576,7 @@ def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path)
         (200, 26), (200, 26)]
     sim.rest(1.0, timeout_s=5.0)  # samples go on while the cluster rests, as the bench's poll does
     _, last = sim.samples[-1]
-    reports = {n: e.telemetry(sim.now, "m").kv.model_dump() for n, e in sim.executors.items()}
+    reports = {n: e.telemetry(sim.now).kv.model_dump() for n, e in sim.executors.items()}
     assert {e["id"]: e["kv"] for e in last} == reports and reports["exec1"]["pages_used"] == 0
 
 
@@ -519,10 +587,10 @@ def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path)
     (QuantizeArgs(layers=31, bits=8), "layers must be between 1 and 30")])
 def test_a_refused_command_changes_nothing(tmp_path, args, why):
     sim = spare_cluster(tmp_path)
-    before = {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()}
+    before = {n: e.telemetry(0.0) for n, e in sim.executors.items()}
     with pytest.raises(SimulatedRefusal, match=why):
         sim.executors["exec0"].apply(args)
-    assert {n: e.telemetry(0.0, "m") for n, e in sim.executors.items()} == before
+    assert {n: e.telemetry(0.0) for n, e in sim.executors.items()} == before
 
 
 def test_a_tp1_instance_swaps_the_layers_its_members_hold(tmp_path):
@@ -616,8 +684,7 @@ def test_the_monitor_takes_each_executors_newest_report_into_a_state_with_every_
     reports a tick would replace unread are never built."""
     built, observed, published = [], [], []
     telemetry, observe, publish = SimExecutor.telemetry, ClusterView.observe, Simulation._publish
-    monkeypatch.setattr(SimExecutor, "telemetry", lambda self, now, model: built.append(
-        telemetry(self, now, model)) or built[-1])
+    monkeypatch.setattr(SimExecutor, "telemetry", lambda self, now: built.append(telemetry(self, now)) or built[-1])
     monkeypatch.setattr(ClusterView, "observe", lambda self, t, now: observed.append(t) or observe(self, t, now))
     monkeypatch.setattr(Simulation, "_publish", lambda self: published.append(self.now) or publish(self))
     sim = Simulation(read_fleet(write_fleet(tmp_path)), SimSettings(

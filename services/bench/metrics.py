@@ -44,13 +44,15 @@ def quantized_mix(layers: list[int]) -> tuple[int, int]:
 
 
 def timeline(samples: list[ClusterSample]) -> dict[str, list]:
-    """The cluster samples as columns, summed over live executors (KV in tokens)."""
+    """The cluster samples as columns, summed over live executors (KV in tokens: over the instances' leaders, since
+    the other members of an instance back the same blocks with pages of their own)."""
     cols = defaultdict(list)
     for s in samples:
+        leaders = [e for e in s.executors if e.get("role", "leader") == "leader"]
         cols["t"].append(round(s.time_s, 3))
         cols["kv_capacity_tokens"].append(sum((e["kv"]["pages_base"] + e["kv"]["pages_extension"]) * e["block_size"]
-                                              for e in s.executors))
-        cols["kv_used_tokens"].append(sum(e["kv"]["pages_used"] * e["block_size"] for e in s.executors))
+                                              for e in leaders))
+        cols["kv_used_tokens"].append(sum(e["kv"]["pages_used"] * e["block_size"] for e in leaders))
         mixes = [quantized_mix(e["layers"]) for e in s.executors]
         cols["int8_layers"].append(sum(m[0] for m in mixes))
         cols["int4_layers"].append(sum(m[1] for m in mixes))

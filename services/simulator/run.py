@@ -190,11 +190,10 @@ def precision_share(requests: list[SimRequest]) -> dict[tuple[int, int], float]:
     return {mix: n / total for mix, n in sorted(counts.items())} if total else {}
 
 
-def table_name(fleet: Fleet) -> str:
-    """The model a perplexity table names (`morphling eval ppl`'s): "default" for the default model; a fleet of
-    several has no one table."""
-    names = ["default" if name == DEFAULT_MODEL else name for name in fleet.models]
-    return "+".join(names)
+def table_name(models: list[str]) -> str:
+    """The model a perplexity table names (`morphling eval ppl`'s): "default" for the default model; several
+    models have no one table."""
+    return "+".join("default" if name == DEFAULT_MODEL else name for name in models)
 
 
 def by_model(played: SimRun, replay: argparse.Namespace, fleet: Fleet, args, table) -> dict[str, dict]:
@@ -202,15 +201,14 @@ def by_model(played: SimRun, replay: argparse.Namespace, fleet: Fleet, args, tab
     of the executors serving it, with the precision its tokens were generated at."""
     serves = {s.id: s.shape.name for s in fleet.executors}
     out = {}
-    for name, shape in fleet.models.items():
+    for name in fleet.models:
         mine = [i for i, r in enumerate(played.requests) if r.model == name]
         samples = [ClusterSample(s.time_s, [e for e in s.executors if serves[e["id"]] == name])
                    for s in replay.samples]
         summary = summarize([replay.records[i] for i in mine], samples, args.slo_ttft)
         del summary["timeline"]
         share = precision_share([played.requests[i] for i in mine])
-        out[name] = summary | {"precision": quality(share, table, table_name(replace(fleet, executors=[
-            s for s in fleet.executors if s.shape is shape])))}
+        out[name] = summary | {"precision": quality(share, table, table_name([name]))}
     return out
 
 
@@ -218,8 +216,8 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
     replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
     result = window_result(replay, actions(played.events, played.origin), reaction(played.events, played.origin),
-                           args.slo_ttft, table, table_name(fleet), rest)
-    result["precision"] = quality(precision_share(played.requests), table, table_name(fleet))
+                           args.slo_ttft, table, table_name(list(fleet.models)), rest)
+    result["precision"] = quality(precision_share(played.requests), table, table_name(list(fleet.models)))
     if len(fleet.models) > 1:
         result["models"] = by_model(played, replay, fleet, args, table)
     result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],

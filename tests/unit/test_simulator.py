@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.metrics import percentile
+from services.bench.client import ClusterSample
+from services.bench.metrics import percentile, timeline
 from services.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
 from services.controller.policies import morph
@@ -574,6 +575,10 @@ def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path)
     # which the two prompts hold 7 + 19 once prefilled; none once they are done.
     assert [(e["kv"]["pages_base"] + e["kv"]["pages_extension"], e["kv"]["pages_used"]) for e in both] == [
         (200, 26), (200, 26)]
+    # ... which the bench's timeline counts once, at the leader, as GET /v1/cluster's roles say
+    assert [e["role"] for e in both] == ["leader", "follower"]
+    line = timeline([ClusterSample(0.75, both)])
+    assert (line["kv_capacity_tokens"], line["kv_used_tokens"]) == ([200 * 16], [26 * 16])
     sim.rest(1.0, timeout_s=5.0)  # samples go on while the cluster rests, as the bench's poll does
     _, last = sim.samples[-1]
     reports = {n: e.telemetry(sim.now).kv.model_dump() for n, e in sim.executors.items()}

@@ -144,7 +144,9 @@ def test_a_window_between_the_marks_breaks_the_run():
 
 def test_queue_delay_and_blocked_admission_are_pressure_too():
     slow = Driver()
-    assert [bool(slow.window(0.1, delay=5.0)) for _ in range(3)] == [False, False, True]
+    assert [bool(slow.window(0.1, delay=5.0, waiting=1)) for _ in range(3)] == [False, False, True]
+    # a burst's delay lingers once its queue has drained: nothing waiting, nothing to quantize for
+    assert not any(Driver().window(0.1, delay=5.0) for _ in range(10))
     lax = MorphSettings(kv_high=0.99, kv_low=0.5)
     full_queue, short_of_pages = Driver(lax), Driver(lax)
     assert [bool(full_queue.window(0.1, waiting=8)) for _ in range(3)] == [False, False, True]

@@ -16,9 +16,10 @@ quantized layer freed (learned from `pages_extension`), which says how many page
 back. `make_policy` wraps `plan` in the controller's Policy signature and keeps the memory in a
 closure; the controller's history is not replayed because the memory is that history, condensed.
 
-Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s, or
-requests wait that cannot be admitted (the queue is full, or the free KV would not hold one
-sequence of max_model_len); and *urgent* pressure, which steps up at once instead of after enter_windows:
+Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests
+wait (the delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds,
+and had kept quantizing after the last arrival), or requests wait that cannot be admitted (the queue is
+full, or the free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead of after enter_windows:
 pressure events the executor counted since the last report planned on (a preemption, an admission held
 for KV pages, a refusal for a full queue). Calm, and the release test, both about the next restore: nothing
 waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
@@ -242,7 +243,8 @@ def under_pressure(es: ExecutorState, settings: MorphSettings) -> bool:
     t = es.telemetry
     blocked = t.waiting > 0 and (t.waiting >= t.max_waiting
                                  or t.kv.pages_free * t.block_size < t.max_model_len)
-    return es.kv_usage >= settings.kv_high or es.queue_delay_s >= settings.queue_delay_high_s or blocked
+    delayed = t.waiting > 0 and es.queue_delay_s >= settings.queue_delay_high_s
+    return es.kv_usage >= settings.kv_high or delayed or blocked
 
 
 def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> bool:

@@ -10,7 +10,8 @@ the cluster (CoCoServe's replicas, say). Quality is the perplexity of the precis
 generated at (bench/quality.py, exact per token here), since simulated tokens carry no text to compare.
 
 Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second,
-the controller's decisions per simulated minute and the wall seconds its policies took per decision.
+the controller's decisions per simulated minute and the wall seconds its policies took per decision; and for a
+fleet of several models, `models`, per mode and window, each model's own summary (its requests, its executors).
 
 Modes: all the bench's. The fleet's executors run every mode, as `morphling bench --executors N` does
 (bench/modes.py): several join one world; cocoserve starts from the spare plan (instances of two, every layer

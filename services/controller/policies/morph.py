@@ -16,18 +16,18 @@ quantized layer freed (learned from `pages_extension`), which says how many page
 back. `make_policy` wraps `plan` in the controller's Policy signature and keeps the memory in a
 closure; the controller's history is not replayed because the memory is that history, condensed.
 
-Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests
-wait (the delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds,
-and had kept quantizing after the last arrival), or requests wait that cannot be admitted (the queue is
-full, or the free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead of after enter_windows:
-pressure events the executor counted since the last report planned on (a preemption, an admission held
-for KV pages, a refusal for a full queue). Calm, and the release test, both about the next restore: nothing
-waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
-with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks
-are measured against the capacity *after* the restore because a fixed fraction of the enlarged
-capacity is reached tens of seconds after the smaller one would already suffice. "In use" counts
-the pages the running sequences will still take (`pages_growth`) beside those they hold: early in a
-burst its sequences are short, and a restore judged on what they hold would come back mid-burst.
+Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests wait
+(the delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds, and had
+kept quantizing after the last arrival), or requests wait that cannot be admitted (the queue is full, or the
+free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead
+of after enter_windows: pressure events the executor counted since the last report planned on (a preemption,
+an admission held for KV pages, a refusal for a full queue). Calm, and the release test, both about the next
+restore: nothing waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the
+restore with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks are
+measured against the capacity *after* the restore because a fixed fraction of the enlarged capacity is reached
+tens of seconds after the smaller one would already suffice. "In use" counts the pages the running sequences
+will still take (`pages_growth`) beside those they hold: early in a burst its sequences are short, and a
+restore judged on what they hold would come back mid-burst.
 
 Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
 several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its

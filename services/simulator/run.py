@@ -221,6 +221,8 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
     result["precision"] = quality(precision_share(played.requests), table, table_name(list(fleet.models)))
     if len(fleet.models) > 1:
         result["models"] = by_model(played, replay, fleet, args, table)
+        for record, request in zip(result["requests"], played.requests):
+            record["model"] = request.model
     result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],
                          "full_precision_token_share": result["precision"]["full_precision_token_share"]}
     result["simulation"] = {
@@ -332,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             plot_timeline(f"{mode} {name}", result, args.slo_ttft, args.out / f"timeline_{mode}_{name}.png")
     plot_ttft_cdf({m: {"requests": [r for w in ws.values() for r in w["requests"]]} for m, ws in results.items()},
                   args.slo_ttft, args.out / "ttft_cdf.png")
+    if len(fleet.models) > 1:
+        for model in fleet.models:
+            plot_ttft_cdf({m: {"requests": [r for w in ws.values() for r in w["requests"] if r["model"] == model]}
+                           for m, ws in results.items()}, args.slo_ttft, args.out / f"ttft_cdf_{model}.png")
     compared = comparison(modes)
     report = {"modes": modes, "comparison": compared, "capacity": capacity, "simulated": True,
               "fleet": {"models": list(fleet.models), "traffic": fleet.traffic, "executors": [
@@ -345,5 +351,6 @@ def main(argv: list[str] | None = None) -> int:
     print_models(modes)
     if args.compare is not None:
         print_fidelity(report["fidelity"]["modes"])
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} and a timeline per mode and window")
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} (and one per model of several) and a "
+          f"timeline per mode and window")
     return 0

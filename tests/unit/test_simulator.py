@@ -266,6 +266,8 @@ def test_simulate_reports_each_model_of_a_fleet_of_several_on_its_own(tmp_path, 
         assert report["modes"][mode]["models"]["llama-3-8b"]["ttft_p95"] == by_model["llama-3-8b"]["ttft_p95"]
     int8 = report["modes"]["int8"]["windows"]
     assert next(iter(int8.values()))["models"]["llama-3-8b"]["precision"]["mixes"][0]["int8_layers"] == 32
+    assert {r["model"] for w in int8.values() for r in w["requests"]} == {"llama-3-70b", "llama-3-8b"}
+    assert (out / "ttft_cdf_llama-3-70b.png").is_file() and (out / "ttft_cdf_llama-3-8b.png").is_file()
     assert "by model:" in capsys.readouterr().out
 
 

@@ -261,7 +261,7 @@ def test_simulate_reports_each_model_of_a_fleet_of_several_on_its_own(tmp_path, 
         assert by_model["llama-3-70b"]["request_count"] + by_model["llama-3-8b"]["request_count"] == (
             window["request_count"])
         assert 2.5 < by_model["llama-3-8b"]["request_count"] / by_model["llama-3-70b"]["request_count"] < 3.5
-        # the 70B's step reads ten times the 8B's weights a token: its TPOT is the longer
+        # a member of a 70B TP4 instance reads a quarter of 141 GB of layers a step, twice the 8B's 15 GB
         assert by_model["llama-3-70b"]["tpot_p50"] > by_model["llama-3-8b"]["tpot_p50"]
         assert report["modes"][mode]["models"]["llama-3-8b"]["ttft_p95"] == by_model["llama-3-8b"]["ttft_p95"]
     int8 = report["modes"]["int8"]["windows"]

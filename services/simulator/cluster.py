@@ -467,7 +467,7 @@ class Simulation:
         for executor in self.executors.values():
             executor.settle(self.now)
         self.samples.append((self.now, [
-            {"id": e.id, "role": "leader" if e.group is None or e.group.plan.leader == e.id else "follower",
+            {"id": e.id, "role": "leader" if e.leads else "follower",
              "kv": e.kv_pages(e.ledger.snapshot()), "block_size": e.limits.block_size,
              "layers": list(e.layer_bits), "running": len(e.scheduler.running),
              "waiting": len(e.scheduler.waiting), "preemptions": e.scheduler.num_preemptions}

@@ -189,7 +189,7 @@ class SimExecutor(MemberArena):
     def start_step(self, now: float) -> float | None:
         """Schedule the next step, or a run of decode steps (decode_run.py); when it ends, or None when there is
         nothing to run."""
-        if self.decode_runs and (self.group is None or self.group.leader is self):
+        if self.decode_runs and self.leads:
             self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
@@ -419,7 +419,7 @@ class SimExecutor(MemberArena):
     # --- telemetry --------------------------------------------------------------------------------
     def telemetry(self, now: float) -> ExecutorTelemetry:
         (self if self.group is None else self.group.leader).settle(now)  # a member's busy spans are the leader's
-        leads = self.group is None or self.group.plan.leader == self.id
+        leads = self.leads
         waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         snap = self.ledger.snapshot()
         # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once.

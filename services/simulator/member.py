@@ -58,6 +58,11 @@ class MemberArena:
         if group.plan.leader == self.id:
             self.scheduler, self.blocks = group.scheduler, group.blocks
 
+    @property
+    def leads(self) -> bool:
+        """Whether it takes requests: alone, or its instance's leader."""
+        return self.group is None or self.group.leader is self
+
     def sequence_blocks(self) -> int:
         """KV blocks one sequence of the longest length takes: what an executor alone, and an instance of several,
         must hold at the least."""

@@ -33,11 +33,10 @@ from pathlib import Path
 from services.bench.capacity import Probe, search, steady_load
 from services.bench.client import ClusterSample, RequestRecord
 from services.bench.events import actions, reaction
-from services.bench.metrics import percentile
+from services.bench.metrics import percentile, summarize
 from services.bench.modes import MODES
 from services.bench.plots import plot_timeline, plot_ttft_cdf
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
-from services.bench.metrics import summarize
 from services.bench.report import comparison, mode_summary, model_summaries, print_models, print_table, window_result
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
@@ -216,9 +215,10 @@ def by_model(played: SimRun, replay: argparse.Namespace, fleet: Fleet, args, tab
 def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest: dict | None = None) -> dict:
     replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
+    named = table_name(list(fleet.models))
     result = window_result(replay, actions(played.events, played.origin), reaction(played.events, played.origin),
-                           args.slo_ttft, table, table_name(list(fleet.models)), rest)
-    result["precision"] = quality(precision_share(played.requests), table, table_name(list(fleet.models)))
+                           args.slo_ttft, table, named, rest)
+    result["precision"] = quality(precision_share(played.requests), table, named)
     if len(fleet.models) > 1:
         result["models"] = by_model(played, replay, fleet, args, table)
         for record, request in zip(result["requests"], played.requests):

@@ -312,7 +312,9 @@ class Dispatcher:
                 too_long = _TooLong(err.message, admission.prompt_tokens, self._max_model_len(executor), executor)
                 if self.config.tp_scheduler in ("rr", "llf"):  # the baselines merge the instance they chose
                     break
-            saw_full |= err.type == "queue_full"
+            if err.type == "queue_full":
+                saw_full = True
+                self._unreported.refused(executor, time.time())
             # Reached after admit_by (its answer beat our own timeout): as slow as a timeout.
             saw_timeout |= err.code == ADMISSION_EXPIRED
             log.info("executor %s refused %s: %s (%s)", executor, attempt_req.request_id, err.type, err.message)

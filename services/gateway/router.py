@@ -23,6 +23,7 @@ class Sent:
     """What a gateway sent one executor that the executor's telemetry in the state it routes on does not show."""
     requests: int = 0
     pages: int = 0  # KV pages their prompts take
+    full: bool = False  # it refused one for a full queue: a report after that refusal says when it has room
 
 
 NOTHING_SENT = Sent()
@@ -33,17 +34,27 @@ class Unreported:
     """The requests a gateway sent since each executor's last report. The monitor publishes a few states a
     second; between two of them every arrival would go to the one executor that looked least loaded, and at
     hundreds of requests a second (a fleet's gateway, the simulator's thousand executors) that one executor's
-    queue overflows while the rest idle. Counting what was sent since keeps the choice spread."""
+    queue overflows while the rest idle. Counting what was sent since keeps the choice spread. A refusal for a
+    full queue counts too: the state still shows the room the executor had, and every arrival until the next one
+    would be offered to it first and refused again (eleven refusals an arrival, in a thousand-executor fleet
+    past its capacity: each a round trip on the bus)."""
 
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[float, int]]] = {}  # executor -> (sent at, its prompt's pages)
+        self._refused: dict[str, float] = {}  # executor -> when it last refused for a full queue
         self._totals: dict[str, Sent] = {}  # what view() shows, kept as sending goes: it is asked per request
         self._view = MappingProxyType(self._totals)  # one per state: the router keeps its heap while it grows
 
     def add(self, executor: str, sent_at: float, pages: int) -> None:
         self._sent.setdefault(executor, []).append((sent_at, pages))
         before = self._totals.get(executor, NOTHING_SENT)
-        self._totals[executor] = Sent(before.requests + 1, before.pages + pages)
+        self._totals[executor] = Sent(before.requests + 1, before.pages + pages, before.full)
+
+    def refused(self, executor: str, at: float) -> None:
+        """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""
+        self._refused[executor] = at
+        before = self._totals.get(executor, NOTHING_SENT)
+        self._totals[executor] = Sent(before.requests, before.pages, True)
 
     def forget_reported(self, state: ClusterState) -> None:
         """Drop what each executor's report in `state` already counts: sent before it was taken. Executors
@@ -51,7 +62,10 @@ class Unreported:
         reported = {e.executor: e.telemetry.time for e in state.executors}
         self._sent = {name: kept for name, sent in self._sent.items() if name in reported
                       and (kept := [(t, pages) for t, pages in sent if t > reported[name]])}
-        self._totals = {name: Sent(len(sent), sum(pages for _, pages in sent)) for name, sent in self._sent.items()}
+        self._refused = {name: at for name, at in self._refused.items() if name in reported and at > reported[name]}
+        self._totals = {name: Sent(len(sent), sum(pages for _, pages in sent), name in self._refused)
+                        for name, sent in self._sent.items()}
+        self._totals.update((name, Sent(full=True)) for name in self._refused.keys() - self._sent.keys())
         self._view = MappingProxyType(self._totals)
 
     def view(self) -> Mapping[str, Sent]:
@@ -69,8 +83,9 @@ def serving(state: ClusterState | None, model: str | None = None) -> list[Execut
 
 def choose_executor(state: ClusterState | None, exclude: set[str], model: str, strategy: str = "amoebas",
                     turn: int = 0, unreported: Mapping[str, Sent] | None = None) -> str | None:
-    """The least-loaded serving executor for `model`: the shortest queue (its waiting requests and those sent
-    it since it reported), then the smallest share of its KV pages in use (instances differ in size: quantized
+    """The least-loaded serving executor for `model`: one that refused a request for a full queue since it
+    reported after the others, then the shortest queue (its waiting requests and those sent it since it
+    reported), then the smallest share of its KV pages in use (instances differ in size: quantized
     layers free pages, a TP merge holds several executors' KV); ties go to the lowest id so that the choice is
     deterministic. The queue comes first because it is what a new request waits behind, and because a prompt
     waiting to be prefilled holds no KV page: ordered by KV first, a report that showed a long queue looked as
@@ -96,9 +111,9 @@ def choose_executor(state: ClusterState | None, exclude: set[str], model: str, s
 
 def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sent: Mapping[str, Sent]) -> str | None:
     """The default order without weighing every executor per request: a gateway routing hundreds of requests a
-    second over a thousand executors had walked the hundreds sent to since the last state, per request. Sending
-    only raises an executor's load, so a heap of loads weighed earlier is weighed again only at its top: there a
-    load weighed before the latest send is stale, and one still current is the least of all."""
+    second over a thousand executors had walked the hundreds sent to since the last state, per request. A send
+    or a refusal only raises an executor's load, so a heap of loads weighed earlier is weighed again only at its
+    top: there a load weighed before the latest send is stale, and one still current is the least of all."""
     heap, reported = _loads(state, model, sent)
     skipped, best = [], None
     while heap:
@@ -137,8 +152,9 @@ def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> 
 
 
 def _weigh(suspect: bool, waiting: int, used: int, free: int, name: str, sent: Sent) -> tuple:
-    """The order of choice: a suspect of a stall last, then the shortest queue, the least KV in use, the lowest id."""
-    return suspect, waiting + sent.requests, _kv_share(used, free, sent.pages), name
+    """The order of choice: a suspect of a stall last, one full when last asked next to last, then the shortest
+    queue, the least KV in use, the lowest id."""
+    return suspect, sent.full, waiting + sent.requests, _kv_share(used, free, sent.pages), name
 
 
 def kv_in_use(e: ExecutorState, pending_pages: int = 0) -> float:

@@ -3,7 +3,8 @@
 Nothing here decides anything a real process decides; it only moves time and messages between the pieces
 that do, all imported from the services:
 - the gateway's router (gateway/router.py) picks an executor for each arrival from the latest cluster state,
-  and on a full queue tries the next with the refuser excluded, as the gateway's retry loop does;
+  and on a full queue tries the next with the refuser excluded, as the gateway's retry loop does, the refuser
+  asked last by later arrivals until it reports again (router.Unreported);
 - every executor reports ExecutorTelemetry every `telemetry_interval_s`, and at once after a step that
   raised its pressure events (a preemption, an admission held for KV pages, a refusal), as the executor's
   heartbeat does; the monitor reads each report for new pressure as it arrives and takes each executor's
@@ -271,6 +272,7 @@ class Simulation:
                 self.executors[name].admit(request, self.now)
             except QueueFullError:
                 refused.add(name)
+                self.unreported.refused(name, self.now)
                 self._after_pressure(name)
                 continue
             except FollowerRefusal:

@@ -12,7 +12,7 @@ import pytest
 from services.gateway.app import BUS_HEADROOM_BYTES
 from shared import subjects
 from shared.config import GatewayConfig
-from shared.messages import Admission, Cancel, GenerateRequest
+from shared.messages import Admission, Cancel, ErrorInfo, GenerateRequest
 from tests.integration.test_gateway_http import MODEL, Gateways, Peers, assert_error, executor_state, wait_ready
 
 
@@ -81,6 +81,36 @@ def test_an_admission_that_times_out_is_a_429_and_the_request_never_runs_later(g
     while request.request_id not in cancels:
         assert time.time() < deadline, "the timed-out admission was never cancelled"
         time.sleep(0.02)
+
+
+def test_an_executor_that_refused_for_a_full_queue_is_asked_last_until_it_reports_again(gateway, peers):
+    """The state still shows the room a refuser had: without the mark every request until the next state would
+    be offered to it first (a round trip on the bus each) and refused again."""
+    base, _ = gateway()
+    asked: list[str] = []
+
+    def full(req):
+        asked.append("e0")
+        return Admission(request_id=req.request_id, executor="e0", accepted=False,
+                         error=ErrorInfo(type="queue_full", message="the waiting queue is full"))
+
+    def room(req):
+        asked.append("e1")
+        return admitting("e1")(req)
+
+    peers.responder("e0", full)
+    peers.responder("e1", room, tokens=["ok"])
+    peers.state(executor_state("e0", free=50), executor_state("e1", free=10))  # e0: the most free KV
+    wait_ready(base)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+    for _ in range(3):
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices[0].text == "ok"
+    assert asked == ["e0", "e1", "e1", "e1"]
+    peers.state(executor_state("e0", free=50), executor_state("e1", free=10))  # e0 reports after its refusal
+    deadline = time.time() + 5
+    while asked[-2:] != ["e0", "e1"]:  # the gateway takes the new state: e0 is asked first again
+        assert time.time() < deadline, f"e0 was not asked again after it reported: {asked}"
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
 
 
 def test_every_503_says_when_to_retry_and_probes_are_not_counted_as_rejections(gateway, peers):

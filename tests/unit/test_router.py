@@ -108,6 +108,20 @@ def test_a_report_taken_after_a_send_counts_it_and_a_gone_executor_is_forgotten(
     assert sent.view() == {}
 
 
+def test_a_refuser_is_asked_last_until_it_reports_after_its_refusal():
+    s = state(executor("a", waiting=0, time=1.0), executor("b", waiting=3, time=1.0))
+    sent = Unreported()
+    sent.refused("a", 2.0)
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "b"
+    assert choose_executor(s, {"b"}, "m", unreported=sent.view()) == "a"  # the last resort, still asked
+    sent.forget_reported(state(executor("a", time=1.5), executor("b", time=1.5)))
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "b"  # no report of a's since it refused
+    sent.add("a", 2.5, 1)
+    sent.forget_reported(state(executor("a", time=2.2), executor("b", time=2.2)))
+    assert {name: (v.requests, v.full) for name, v in sent.view().items()} == {"a": (1, False)}
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "a"
+
+
 @given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
 def test_identical_executors_between_two_states_take_turns(n, arrivals):
     s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
@@ -120,16 +134,18 @@ def test_identical_executors_between_two_states_take_turns(n, arrivals):
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),
-       st.dictionaries(st.integers(0, 7), st.tuples(st.integers(1, 3), st.integers(0, 30)), max_size=4),
+       st.dictionaries(st.integers(0, 7), st.tuples(st.integers(0, 3), st.integers(0, 30), st.booleans()),
+                       max_size=4),
        st.sets(st.integers(0, 7), max_size=3))
 def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, sends, excluded):
     from services.gateway.router import Sent, kv_in_use
     s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
                 for i, (free, waiting, suspect) in enumerate(executors)))
-    sent = {f"e{i}": Sent(requests, pages) for i, (requests, pages) in sends.items()}
+    sent = {f"e{i}": Sent(requests, pages, full) for i, (requests, pages, full) in sends.items()}
     exclude = {f"e{i}" for i in excluded}
     nothing = Sent()
-    expected = min(((e.suspect, e.telemetry.waiting + sent.get(e.executor, nothing).requests,
+    expected = min(((e.suspect, sent.get(e.executor, nothing).full,
+                     e.telemetry.waiting + sent.get(e.executor, nothing).requests,
                      kv_in_use(e, sent.get(e.executor, nothing).pages), e.executor)
                     for e in s.executors if e.executor not in exclude), default=(None,))[-1]
     assert choose_executor(s, exclude, "m", unreported=sent) == expected
@@ -137,23 +153,26 @@ def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, send
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans(), st.sampled_from("mn")), min_size=1,
                 max_size=8),
-       st.lists(st.tuples(st.integers(0, 30), st.sets(st.integers(0, 7), max_size=3), st.sampled_from("mn")),
-                min_size=1, max_size=30))
+       st.lists(st.tuples(st.integers(0, 30), st.sets(st.integers(0, 7), max_size=3), st.sampled_from("mn"),
+                          st.booleans()), min_size=1, max_size=30))
 def test_a_state_routed_on_request_after_request_picks_what_weighing_every_executor_picks(executors, arrivals):
-    """The router keeps its weighing between two states, each model's apart; every send, and every refusal's
-    exclusion, still leaves its choice the least loaded of all that serve the model asked for."""
-    from services.gateway.router import kv_in_use
+    """The router keeps its weighing between two states, each model's apart; every send, every refusal's
+    exclusion and every refuser's mark still leave its choice the least loaded of all that serve the model
+    asked for."""
+    from services.gateway.router import NOTHING_SENT, kv_in_use
     s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect, model=model)
                 for i, (free, waiting, suspect, model) in enumerate(executors)))
     sent = Unreported()
-    for t, (pages, excluded, model) in enumerate(arrivals):
+    for t, (pages, excluded, model, refuses) in enumerate(arrivals):
         exclude = {f"e{i}" for i in excluded}
         view = sent.view()
-        expected = min(((e.suspect, e.telemetry.waiting + view[e.executor].requests if e.executor in view
-                         else e.telemetry.waiting, kv_in_use(e, view[e.executor].pages if e.executor in view else 0),
-                         e.executor) for e in s.executors if e.executor not in exclude and e.telemetry.model == model),
+        expected = min(((e.suspect, (v := view.get(e.executor, NOTHING_SENT)).full, e.telemetry.waiting + v.requests,
+                         kv_in_use(e, v.pages), e.executor)
+                        for e in s.executors if e.executor not in exclude and e.telemetry.model == model),
                        default=(None,))[-1]
         chosen = choose_executor(s, exclude, model, unreported=view)
         assert chosen == expected
-        if chosen is not None:
+        if chosen is not None and refuses:
+            sent.refused(chosen, float(t + 1))
+        elif chosen is not None:
             sent.add(chosen, float(t + 1), pages)

@@ -21,6 +21,9 @@ FULL_BITS = 16
 # Every layer stores its FFN in this many pieces (the executor's decoder.layer_layout), so that a merge or a
 # split of tensor parallelism cuts it in place: a TP degree must divide it.
 FFN_PIECES = 4
+# What a world's instances are named before their number. The monitor keys instances by id, so several worlds
+# sharing one bus (instance groups, docs/deployment.md) each need their own.
+INSTANCE_PREFIX = "i"
 
 
 class PlanError(ValueError):
@@ -37,9 +40,10 @@ def alone(executor: str, num_layers: int, bits: int = FULL_BITS) -> InstancePlan
                         layers=[LayerPlan(placement=[executor], bits=bits) for _ in range(num_layers)])
 
 
-def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BITS) -> list[InstancePlan]:
+def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BITS,
+             prefix: str = INSTANCE_PREFIX) -> list[InstancePlan]:
     """`--tp K` (K = 1: `--executors N` alone): consecutive executors form N/K instances of TP degree K,
-    every layer at `bits` (`--static-bits`)."""
+    every layer at `bits` (`--static-bits`), named `prefix`0, `prefix`1, ..."""
     if tp < 1 or len(executors) % tp:
         raise PlanError(f"--tp {tp} must divide the {len(executors)} executors into equal instances")
     if FFN_PIECES % tp:
@@ -47,30 +51,33 @@ def tp_plans(executors: list[str], tp: int, num_layers: int, bits: int = FULL_BI
     plans = []
     for i in range(0, len(executors), tp):
         members = executors[i:i + tp]
-        plans.append(InstancePlan(id=f"i{i // tp}", leader=members[0], members=members, tp=tp,
+        plans.append(InstancePlan(id=f"{prefix}{i // tp}", leader=members[0], members=members, tp=tp,
                                   layers=[LayerPlan(placement=list(members), bits=bits) for _ in range(num_layers)]))
     return plans
 
 
 def instance_plans(executors: list[str], num_layers: int, tp: int | None = None, plan_file: str | Path | None = None,
-                   bits: int = FULL_BITS) -> list[InstancePlan]:
-    """The plans a world of `executors` serves: a plan file's, else `--tp` (1 by default) at `bits`."""
+                   bits: int = FULL_BITS, prefix: str = INSTANCE_PREFIX) -> list[InstancePlan]:
+    """The plans a world of `executors` serves: a plan file's, else `--tp` (1 by default) at `bits`; instances
+    the plan leaves unnamed are named `prefix` and their number."""
     if plan_file:
-        return read_plan_file(plan_file, executors, num_layers)
-    return tp_plans(executors, tp or 1, num_layers, bits)
+        return read_plan_file(plan_file, executors, num_layers, prefix)
+    return tp_plans(executors, tp or 1, num_layers, bits, prefix)
 
 
-def read_plan_file(path: str | Path, executors: list[str], num_layers: int | None) -> list[InstancePlan]:
+def read_plan_file(path: str | Path, executors: list[str], num_layers: int | None,
+                   prefix: str = INSTANCE_PREFIX) -> list[InstancePlan]:
     """The plans of a JSON file, `id` and `leader` filled in where left out, checked against the world
     (and against the model's depth, unless `num_layers` is None: `up` checks before any model is read)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise PlanError(f"cannot read the plan file {path}: {exc}") from exc
-    return parse_plans(data, executors, num_layers)
+    return parse_plans(data, executors, num_layers, prefix)
 
 
-def parse_plans(data: object, executors: list[str], num_layers: int | None) -> list[InstancePlan]:
+def parse_plans(data: object, executors: list[str], num_layers: int | None,
+                prefix: str = INSTANCE_PREFIX) -> list[InstancePlan]:
     if not isinstance(data, dict) or not isinstance(data.get("instances"), list) or not data["instances"]:
         raise PlanError('instances: expected {"instances": [an instance plan, ...]}')
     plans = []
@@ -82,7 +89,7 @@ def parse_plans(data: object, executors: list[str], num_layers: int | None) -> l
         if not isinstance(members, list) or not members:
             raise PlanError(f"{where}.members: expected a list of executor ids")
         # `replicas` is derived (GET /v1/cluster shows it): a plan written from a running cluster drops it here.
-        filled = {"id": f"i{i}", "leader": members[0], **{k: v for k, v in raw.items() if k != "replicas"}}
+        filled = {"id": f"{prefix}{i}", "leader": members[0], **{k: v for k, v in raw.items() if k != "replicas"}}
         try:
             plans.append(InstancePlan.model_validate(filled))
         except ValidationError as exc:

@@ -22,7 +22,7 @@ from services.executor.service import ExecutorService
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds
 from shared.messages import InstancePlan
-from shared.plans import FULL_BITS, PlanError, alone, instance_plans, plan_of, quantized_layers
+from shared.plans import FULL_BITS, INSTANCE_PREFIX, PlanError, alone, instance_plans, plan_of, quantized_layers
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                             "$MORPHLING_TP, else 1)")
     shape.add_argument("--plan", default=os.environ.get("MORPHLING_PLAN") or None,
                        help="a JSON file of instance plans (default $MORPHLING_PLAN)")
+    world.add_argument("--instance-prefix", default=os.environ.get("MORPHLING_INSTANCE_PREFIX") or INSTANCE_PREFIX,
+                       help="what the world's instances are named before their number, where the plan names none: "
+                            "each world sharing the bus needs its own (default $MORPHLING_INSTANCE_PREFIX, else "
+                            "%(default)s)")
     p.add_argument("--threads", type=int, help="torch threads of this executor (default: torch's own choice)")
     return p.parse_args(argv)
 
@@ -188,7 +192,7 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
     world = World.join(settings, config.executor_id, config.engine.device)
     checkpoint = load_checkpoint(config.engine.model)
     num_layers = checkpoint.config.num_layers
-    plans = instance_plans(world.names, num_layers, args.tp, args.plan, args.static_bits)
+    plans = instance_plans(world.names, num_layers, args.tp, args.plan, args.static_bits, args.instance_prefix)
     world.create_groups(plans)
     plan = plan_of(plans, config.executor_id)
     if len(plan.members) == 1:

@@ -79,8 +79,8 @@ def agreed_cluster(url: str, timeout_s: float = 10.0) -> dict:
         time.sleep(0.25)
 
 
-def serve(tmp_path, model: str, flags: tuple[str, ...], *shape: str) -> UpProcess:
-    up = UpProcess(tmp_path, "--model", model, *flags, *shape, env=clean_env())
+def serve(tmp_path, model: str, flags: tuple[str, ...], *shape: str, env: dict[str, str] | None = None) -> UpProcess:
+    up = UpProcess(tmp_path, "--model", model, *flags, *shape, env=clean_env() | (env or {}))
     try:
         up.wait_ready(READY_TIMEOUT_S)
     except BaseException:
@@ -94,10 +94,12 @@ def tiny(tmp_path_factory) -> str:
     return str(write_tiny_llama_8kv(tmp_path_factory.mktemp("tiny8kv")))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_tp_instance_of_a_tiny_model_generates_what_one_executor_does(tiny, tmp_path, tp):
+@pytest.mark.parametrize("tp, prefix, name", [(2, None, "i0"), (4, "b", "b0")])
+def test_a_tp_instance_of_a_tiny_model_generates_what_one_executor_does(tiny, tmp_path, tp, prefix, name):
+    """And is named by the world's prefix (MORPHLING_INSTANCE_PREFIX, one per world sharing a bus), else i."""
     expected = alone(tiny, TINY_FLAGS, PROMPTS[:4])
-    up = serve(tmp_path, tiny, TINY_FLAGS, "--executors", str(tp), "--tp", str(tp))
+    up = serve(tmp_path, tiny, TINY_FLAGS, "--executors", str(tp), "--tp", str(tp),
+               env={"MORPHLING_INSTANCE_PREFIX": prefix} if prefix else None)
     try:
         got = [complete(up.url, served_model_name(tiny), p) for p in PROMPTS[:4]]
         [instance] = cluster(up.url)["instances"]
@@ -105,7 +107,7 @@ def test_a_tp_instance_of_a_tiny_model_generates_what_one_executor_does(tiny, tm
         up.interrupt(STOP_TIMEOUT_S)
     assert got == expected
     members = [f"exec{i}" for i in range(tp)]
-    assert (instance["id"], instance["leader"], instance["members"], instance["tp"]) == ("i0", "exec0", members, tp)
+    assert (instance["id"], instance["leader"], instance["members"], instance["tp"]) == (name, "exec0", members, tp)
     assert all(layer == {"placement": members, "bits": 16} for layer in instance["layers"])
 
 

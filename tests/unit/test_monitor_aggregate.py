@@ -204,6 +204,21 @@ def test_instances_are_the_plans_of_the_live_leaders_once_each_by_id():
     assert [e.executor for e in state.executors] == ["a", "b", "c", "d", "solo"]
 
 
+def test_two_worlds_on_one_bus_show_every_instance_when_each_names_its_own():
+    """The monitor keys instances by id: two worlds numbering theirs alike show half of them (one world's i0
+    hides the other's), each with its own prefix all of them."""
+    def shown(first_prefix: str, second_prefix: str) -> list[str]:
+        view = ClusterView(MonitorConfig(dead_after_s=1.0))
+        for names, prefix in ((["a0", "a1", "a2", "a3"], first_prefix), (["b0", "b1", "b2", "b3"], second_prefix)):
+            for plan in tp_plans(names, 2, 4, prefix=prefix):
+                for member in plan.members:
+                    view.observe(telemetry(member, 0.0, plan=plan), now=0.0)
+        return [p.id for p in view.state(0.5).instances]
+
+    assert shown("i", "i") == ["i0", "i1"]
+    assert shown("a", "b") == ["a0", "a1", "b0", "b1"]
+
+
 def test_an_instance_goes_with_its_leader_whatever_its_followers_report():
     view = ClusterView(MonitorConfig(dead_after_s=1.0))
     (plan,) = tp_plans(["lead", "follow"], 2, 4)

@@ -124,7 +124,7 @@ def test_the_executors_of_every_host_form_one_world(workers, world_size):
     assert world == {(f"tcp://{HEAD_HOST}:29500", world_size)}
     # The instances' shape comes from the same place on every host.
     assert all(s["environment"]["MORPHLING_TP"] is None and s["environment"]["MORPHLING_PLAN"] is None
-               for _, s in executors)
+               and s["environment"]["MORPHLING_INSTANCE_PREFIX"] is None for _, s in executors)
     executor_ids = [option(s["command"], "--id") for _, s in executors]
     gateway_ids = [option(s["command"], "--id") for _, compose in hosts for s in compose["services"].values()
                    if s.get("command", [""])[0] == "gateway"]

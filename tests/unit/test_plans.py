@@ -243,7 +243,6 @@ def test_instance_plans_take_the_file_else_tp_at_the_static_bits(tmp_path):
     assert plan.leader == "exec1"
 
 
-
 def test_a_worlds_prefix_names_its_instances_where_the_plan_names_none(tmp_path):
     assert [p.id for p in instance_plans(EXECS, 2, tp=2, prefix="b")] == ["b0", "b1"]
     path = write(tmp_path, {"instances": [instance(["exec0"], all_on(["exec0"], 2)),

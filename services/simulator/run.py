@@ -9,7 +9,8 @@ up to `--settle-timeout`: bench/rest.py's rule), so a window starts where the pr
 the cluster (CoCoServe's replicas, say). Quality is the perplexity of the precision mixes the tokens were
 generated at (bench/quality.py, exact per token here), since simulated tokens carry no text to compare.
 
-Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second,
+Added beside the bench's keys: `simulation`, per mode and window, with the simulated seconds per wall second
+(a mode's first window counts building its cluster, `setup_s`, which `loop_simulated_s_per_wall_s` leaves out),
 the controller's decisions per simulated minute and the wall seconds its policies took per decision; and for a
 fleet of several models, `models`, per mode and window, each model's own summary (its requests, its executors).
 
@@ -212,7 +213,9 @@ def by_model(played: SimRun, replay: argparse.Namespace, fleet: Fleet, args, tab
     return out
 
 
-def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest: dict | None = None) -> dict:
+def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest: dict | None = None,
+                  setup_s: float = 0.0) -> dict:
+    """The bench's window result, and the simulation's own figures; `wall_s` counts `setup_s`."""
     replay = argparse.Namespace(records=records(played), elapsed_s=played.elapsed_s,
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
     named = table_name(list(fleet.models))
@@ -228,6 +231,8 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
     result["simulation"] = {
         "simulated_s": played.elapsed_s, "wall_s": wall_s,
         "simulated_s_per_wall_s": played.elapsed_s / wall_s if wall_s > 0 else None,
+        "setup_s": setup_s,
+        "loop_simulated_s_per_wall_s": played.elapsed_s / (wall_s - setup_s) if wall_s > setup_s else None,
         "decisions": played.decisions,
         "decisions_per_min": 60 * played.decisions / played.elapsed_s if played.elapsed_s > 0 else 0.0,
         "controller_ms_per_decision": 1e3 * played.plan_seconds / played.decisions if played.decisions else None}
@@ -289,9 +294,10 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
             rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
         arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len), args.copies)
         played, wall_s = timed(simulation, arrivals)
-        wall_s += setup_s if i == 0 else 0.0
-        results[w.name] = window_report(played, wall_s, args, table, fleet, rest)
-        print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in {wall_s:.1f} s"
+        built_s = setup_s if i == 0 else 0.0
+        results[w.name] = window_report(played, wall_s + built_s, args, table, fleet, rest, built_s)
+        print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "
+              f"{wall_s + built_s:.1f} s" + (f" (building the cluster {built_s:.1f} s of it)" if built_s else "")
               + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""), file=sys.stderr)
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles

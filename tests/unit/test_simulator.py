@@ -441,6 +441,10 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
         assert key in fp16
     first, second = fp16["windows"].values()
     assert first["simulation"]["simulated_s_per_wall_s"] > 0 and first["request_count"] > 0
+    # The first window's wall time counts building the cluster; its loop alone runs faster. Later windows build none.
+    assert first["simulation"]["setup_s"] > 0 and second["simulation"]["setup_s"] == 0
+    assert first["simulation"]["loop_simulated_s_per_wall_s"] > first["simulation"]["simulated_s_per_wall_s"]
+    assert second["simulation"]["loop_simulated_s_per_wall_s"] == second["simulation"]["simulated_s_per_wall_s"]
     assert first["rest"] == {"waited_s": 0.0, "started_at_rest": True}  # the bench's windows: rested between
     assert second["rest"]["started_at_rest"] and second["rest"]["waited_s"] >= 10.0
     assert fp16["quality"]["full_precision_token_share"] == 1.0

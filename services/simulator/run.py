@@ -293,11 +293,12 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
             waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
             rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
         arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len), args.copies)
-        played, wall_s = timed(simulation, arrivals)
+        played, loop_s = timed(simulation, arrivals)
         built_s = setup_s if i == 0 else 0.0
-        results[w.name] = window_report(played, wall_s + built_s, args, table, fleet, rest, built_s)
-        print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in "
-              f"{wall_s + built_s:.1f} s" + (f" (building the cluster {built_s:.1f} s of it)" if built_s else "")
+        wall_s = loop_s + built_s
+        results[w.name] = window_report(played, wall_s, args, table, fleet, rest, built_s)
+        print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in {wall_s:.1f} s"
+              + (f" (building the cluster {built_s:.1f} s of it)" if built_s else "")
               + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""), file=sys.stderr)
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles

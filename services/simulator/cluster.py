@@ -133,7 +133,7 @@ class Simulation:
         with no_cycle_collection():  # a thousand arenas' lists: rescanned as they pile up, half of the set-up
             self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world,
                                                 decode_runs=settings.decode_runs, arenas=arenas,
-                                                layout=layouts.get(s.id))
+                                                layout=layouts.get(s.id), starts_in_instance=s.id in layouts)
                               for s in fleet.executors}
             self._form_worlds(plans, arenas)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)

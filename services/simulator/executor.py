@@ -88,12 +88,14 @@ class SimRequest:
 class SimExecutor(MemberArena):
     def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
                  in_world: bool = False, decode_runs: bool = True, arenas: dict | None = None,
-                 layout: ModelShape | None = None):
+                 layout: ModelShape | None = None, starts_in_instance: bool = False):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
         holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
         (decode_run.py); without, every step is scheduled alone (the same results, slower). `arenas`: empty
-        arenas laid out before, shared by a fleet's executors (`_laid_out`). `layout`: the layers its arena
-        holds, a TP member's shard of them (tp.member_shape); the model's by default."""
+        arenas laid out before, shared by a fleet's executors (`_lay_out`). `layout`: the layers its arena
+        holds, a TP member's shard of them (tp.member_shape); the model's by default. `starts_in_instance`: a
+        member of an instance `up --tp` starts, whose arena is the one laid out alike in `arenas` itself until
+        the instance gives it its own (tp.started, MemberArena.back_first_blocks)."""
         self.spec, self.id, self.shape = spec, spec.id, spec.shape
         self.limits, self.max_model_len = fleet.engine, fleet.max_model_len(spec.shape)
         block, self.layout = self.limits.block_size, layout or self.shape
@@ -107,10 +109,9 @@ class SimExecutor(MemberArena):
             raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
                              f"{self.page_bytes} bytes; the layers and " + ("one block" if in_world else
                              f"one sequence of {self.max_model_len} tokens") + f" need {need}")
-        self.ledger = self._laid_out(num_pages, static_bits, {} if arenas is None else arenas)
-        self.blocks = BlockManager(self.ledger, block)
-        self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,
-                                   self.limits.max_waiting)
+        arenas = {} if arenas is None else arenas
+        self.laid_out_as = self._lay_out(num_pages, static_bits, arenas)
+        self.take_arena(arenas[self.laid_out_as] if starts_in_instance else arenas[self.laid_out_as].copy())
         self.layer_bits = [static_bits] * self.shape.num_layers
         self.swap_order = list(range(self.shape.num_layers))
         self.instance = f"{self.id}@{started_s:g}"  # a process: a restart would be a new one
@@ -136,10 +137,10 @@ class SimExecutor(MemberArena):
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         self.units_key: tuple | None = None  # what they were computed from
 
-    def _laid_out(self, num_pages: int, bits: int, arenas: dict) -> PageLedger:
-        """An empty arena of `num_pages` with every layer's slot at `bits`, as set_bits leaves one started at full
-        precision: a copy of the one laid out alike in `arenas`, made there first (laying out a thousand alike
-        was half of a simulated fleet's set-up)."""
+    def _lay_out(self, num_pages: int, bits: int, arenas: dict) -> tuple:
+        """The key in `arenas` of an empty arena of `num_pages` with every layer's slot at `bits`, as set_bits
+        leaves one started at full precision, laid out there first (laying out a thousand alike was half of a
+        simulated fleet's set-up: the others copy it)."""
         layout = (num_pages, self.shape.num_layers, self.slot_pages[FULL_BITS], self.slot_pages[bits])
         if layout not in arenas:
             ledger = PageLedger(num_pages)
@@ -149,7 +150,14 @@ class SimExecutor(MemberArena):
                 _, release = slot_moves(self._slot(layer), self.slot_pages[FULL_BITS], self.slot_pages[bits])
                 ledger.release_slot_pages(layer, release)
             arenas[layout] = ledger
-        return arenas[layout].copy()
+        return layout
+
+    def take_arena(self, ledger: PageLedger) -> None:
+        """Serve alone from the arena `ledger`, with a scheduler of its own."""
+        self.ledger = ledger
+        self.blocks = BlockManager(ledger, self.limits.block_size)
+        self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,
+                                   self.limits.max_waiting)
 
     def join_world(self, names: list[str], bits: int) -> None:
         """One of the executors `names`, which can merge with each other, serving alone at `bits` as its own

@@ -54,8 +54,9 @@ def member_shape(shape: ModelShape, tp: int, rank: int) -> ModelShape:
 def started(plan: InstancePlan, members: dict, laid_out: dict) -> "SimTpInstance":
     """An instance `up --tp` starts, its members (SimExecutor by name) laid out as their shards: as many blocks as
     the member with the fewest free pages backs (fabric/member.py's _agree_on_blocks), which must hold one
-    sequence of the longest length. `laid_out`: the empty ledgers of block ids made before, by their capacity and
-    blocks (a thousand-executor fleet starts hundreds alike: each is a copy of the first)."""
+    sequence of the longest length. `laid_out`: the fleet's arenas laid out (SimExecutor's `arenas`), and the
+    empty ledgers of block ids and members' arenas backing them made before (a thousand-executor fleet starts
+    hundreds alike: each is a copy of the first)."""
     blocks = min(member.ledger.num_free for member in members.values())
     leader = members[plan.leader]
     need = leader.sequence_blocks()
@@ -66,11 +67,10 @@ def started(plan: InstancePlan, members: dict, laid_out: dict) -> "SimTpInstance
     if (capacity, blocks) not in laid_out:
         laid_out[capacity, blocks] = PageLedger(capacity)
         laid_out[capacity, blocks].withdraw(range(blocks, capacity))
-    instance = SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0, min_blocks=need,
-                             ledger=laid_out[capacity, blocks].copy())
-    for member in members.values():
-        member.map_blocks(blocks)
-    return instance
+    for member in members.values():  # before the instance, which keeps their own schedulers for a split
+        member.back_first_blocks(blocks, laid_out)
+    return SimTpInstance(plan, members, blocks, dict.fromkeys(members, 0), hold_until=0.0, min_blocks=need,
+                         ledger=laid_out[capacity, blocks].copy())
 
 
 def ffn_pages_freed(executor, tp: int) -> int:

@@ -194,6 +194,30 @@ def test_a_fleet_started_at_tp2_lays_out_each_members_shard_and_serves_at_its_le
     assert all(r.error is None and r.tokens == r.output_tokens and r.executor == "exec0" for r in played.requests)
 
 
+def test_members_laid_out_alike_back_their_instances_blocks_as_one_alone_would_each_in_an_arena_of_its_own(
+        tmp_path):
+    """Two TP2 instances of the fleet above (world_size 4): exec2 is laid out as exec0, exec3 as exec1, and each
+    member's arena is what backing the instance's 720 blocks leaves on an arena laid out alone; taking a page in
+    one leaves the others as they were."""
+    path = write_fleet(tmp_path, count=4)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": 2, "world_size": 4}))
+    fleet = read_fleet(path)
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=())))
+    assert sim.executors["exec0"].group is not sim.executors["exec2"].group
+    for rank, names in enumerate((["exec0", "exec2"], ["exec1", "exec3"])):
+        alone = SimExecutor(fleet.executors[rank], fleet, layout=tp.member_shape(fleet.executors[rank].shape, 2, rank))
+        alone.map_blocks(720)
+        for name in names:
+            member = sim.executors[name]
+            assert member.mapped == alone.mapped and member.ledger.free_pages() == alone.ledger.free_pages()
+            assert member.ledger.snapshot() == alone.ledger.snapshot()
+    ledgers = [e.ledger for e in sim.executors.values()] + [e.blocks.ledger for e in sim.executors.values()]
+    assert len({id(ledger) for ledger in ledgers}) == 4 + 2  # each member's own; a leader's blocks its instance's
+    free = {name: e.ledger.num_free for name, e in sim.executors.items()}
+    sim.executors["exec3"].ledger.allocate()
+    assert {name: e.ledger.num_free for name, e in sim.executors.items()} == free | {"exec3": free["exec3"] - 1}
+
+
 def test_a_model_too_big_for_one_device_serves_at_tp4_and_is_refused_alone(tmp_path):
     """Llama-3-70B's 80 layers (1.7 GB each at bf16) outgrow an H100's 80 GB; four shards of them fit and leave
     each member 25,565 blocks of its 2 KV heads: 409,040 tokens of KV an instance."""

@@ -143,9 +143,15 @@ class PageLedger:
             raise LedgerError(f"{count} free KV pages wanted, {len(self._free)} free")
         # allocate's order, since every free page has its heap entry; a sort beats nlargest past a few pages
         pages = heapq.nlargest(count, self._free) if count < 16 else sorted(self._free, reverse=True)[:count]
-        self._free.difference_update(pages)
-        for p in pages:
-            self._refcount[p] = 1
+        if count == len(self._free):
+            self._free.clear()
+        else:
+            self._free.difference_update(pages)
+        if pages and pages[0] - pages[-1] == count - 1:  # one run of ids, as an arena's free pages start out
+            self._refcount[pages[-1]:pages[0] + 1] = [1] * count
+        else:
+            for p in pages:
+                self._refcount[p] = 1
         self._compact_heap()
         return pages
 

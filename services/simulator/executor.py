@@ -153,7 +153,8 @@ class SimExecutor(MemberArena):
         return layout
 
     def take_arena(self, ledger: PageLedger) -> None:
-        """Serve alone from the arena `ledger`, with a scheduler of its own."""
+        """The arena `ledger` its own, with the block manager and scheduler it serves alone with (a member's stay
+        with it through its instance, for a split)."""
         self.ledger = ledger
         self.blocks = BlockManager(ledger, self.limits.block_size)
         self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,

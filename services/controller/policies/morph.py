@@ -264,9 +264,9 @@ def urgent(es: ExecutorState, memory: ExecutorMemory) -> bool:
 
 def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMemory | None = None) -> bool:
     """Whether this rung takes the pressure it sees now: under pressure, with a layer left to quantize."""
-    t = es.telemetry
-    pressed = under_pressure(es, settings) or (memory is not None and urgent(es, memory))
-    return settings.mode != "off" and next_quantize(t.layers, settings, t.swap_order) is not None and pressed
+    if settings.mode == "off" or not (under_pressure(es, settings) or (memory is not None and urgent(es, memory))):
+        return False  # the ladder asks it of every leader at every state, and most are neither on nor pressed
+    return next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order) is not None
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:

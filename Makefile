@@ -83,10 +83,10 @@ profile-gpu: gpu-site
 	$(GPU_PY) -m services.cli profile --latency --device cuda --shape llama-3-8b $(LATENCY_GRID) \
 		--out $(GPU_OUT)/latency_profile_llama-3-8b.json
 
-# The monitor and controller at 1,000 and 2,000 executors on the GPU machine's 16 cores: the bus needs no GPU,
+# The monitor and controller at 1,000 to 2,000 executors on the GPU machine's 16 cores: the bus needs no GPU,
 # but two cores cannot offer the 10,000 reports/s that 1,000 executors send (docs/benchmarks.md).
 bench-bus-gpu: gpu-site
-	$(GPU_PY) -m services.cli bench-bus --executors 1000,2000 --out $(GPU_OUT)/bus
+	$(GPU_PY) -m services.cli bench-bus --executors 1000,1500,2000 --out $(GPU_OUT)/bus
 
 bench-gpu: gpu-site
 	$(GPU_PY) -m services.cli bench-engine --device cuda --dtype bfloat16 \

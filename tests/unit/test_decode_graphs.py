@@ -4,10 +4,12 @@ replays the graphs themselves) must give the tokens the engine gives without the
 import pytest
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.graphs import DecodeGraphs, buckets
+from kernels.tuning import rows_bucket
+from services.executor.engine.graphs import DecodeGraphs, buckets, warm_linears
+from services.executor.engine.model import decoder
 from shared.config import EngineConfig
 from shared.sampling import SamplingOptions
-from tests.checkpoints import write_tiny_llama3
+from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
 
 PROMPTS = [[5 + i, 40 + 3 * i, 17, 99 - i] * (1 + i) for i in range(6)]  # lengths 4..24: blocks of 8 straddled
 
@@ -71,3 +73,27 @@ def test_swaps_select_the_layers_other_pieces(tiny_dir):
     assert got == expected and len(static_steps) > 4
     unswapped, _ = generate(engine(tiny_dir, static=False), PROMPTS[:4])
     assert got != unswapped  # the swap reached the static path's layers
+
+
+@pytest.mark.parametrize("write", [write_tiny_llama3, write_tiny_qwen2], ids=["llama3", "qwen2"])
+def test_the_start_meets_every_low_bit_kernel_that_serving_after_a_swap_does(write, tmp_path, monkeypatch):
+    # On a GPU a low-bit kernel compiles and is tuned the first time it meets a key (kernels/tuning.py), so a key
+    # that warm_linears misses stalls the first step after a swap. Qwen2's q/k/v bias is part of the key: a
+    # start that warmed them without it left every biased key to serving (an H200, 2026-11-27).
+    e = engine(write(tmp_path / "model"), static=False)
+    met: set[tuple] = set()
+
+    def recording(kernel, bits: int):
+        def run(x, q, *rest):
+            met.add((bits, tuple(q.shape), rows_bucket(x.reshape(-1, x.shape[-1]).shape[0]), rest[-1] is not None))
+            return kernel(x, q, *rest)
+        return run
+
+    monkeypatch.setattr(decoder, "w8a16_linear", recording(decoder.w8a16_linear, 8))
+    monkeypatch.setattr(decoder, "w4a16_linear", recording(decoder.w4a16_linear, 4))
+    warm_linears(e.model, e.config.variant_bits, e.config.max_num_batched_tokens)
+    warmed = set(met)
+    met.clear()
+    generate(e, PROMPTS, swap_at=1)
+    assert {bits for bits, *_ in met} == {4, 8}  # prefill and decode ran through both low-bit kernels
+    assert met <= warmed, sorted(met - warmed)

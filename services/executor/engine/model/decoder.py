@@ -187,8 +187,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def linear(x: torch.Tensor, w: dict, name: str, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for a layer's weight `name` in whatever precision its slot holds now."""
+def linear(x: torch.Tensor, w: dict, name: str, bits: int) -> torch.Tensor:
+    """x @ W^T (+ its bias, where the layer has one: Qwen2's q/k/v) for a layer's weight `name` in whatever
+    precision its slot holds now."""
+    bias = w.get(name.removesuffix("_proj") + "_bias")
     if bits == 8:
         return w8a16_linear(x, w[f"{name}.q"], w[f"{name}.scale"], bias)
     if bits == 4:
@@ -316,7 +318,7 @@ class DecoderModel:
         now, or, when decode graphs are captured, as a swap would leave it."""
         cfg, kv_cache = self.cfg, self.arena.kv_cache
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        q, k, v = self._heads(linear(h, w, "qkv_proj", bits, w.get("qkv_bias")))
+        q, k, v = self._heads(linear(h, w, "qkv_proj", bits))
         if per_head is None:
             q, k = rope_write_kv(q, k, v, cos, sin, kv_cache, index, batch.slot_mapping)
             attn = self._attend(q, k, v, kv_cache, index, batch)

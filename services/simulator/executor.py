@@ -22,6 +22,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 """
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 from services.executor.admission import Departures, admits
@@ -132,7 +133,7 @@ class SimExecutor(MemberArena):
         self.world: list[str] = []  # the executors it can merge with (`up` puts several in one world)
         self.plan: InstancePlan | None = None  # None: outside any world, as the service reports it
         self.group = None  # the instance of several executors it serves in (instance.py, tp.py)
-        self.mapped: list[int] = []  # in an instance: the pages of ours backing its blocks, by block id
+        self.mapped = array("i")  # in an instance: the pages of ours backing its blocks, by block id
         self.hold_until = 0.0  # a merged instance's leader: no split before
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         self.units_key: tuple | None = None  # what they were computed from

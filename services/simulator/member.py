@@ -4,6 +4,8 @@ the instance's blocks, the KV head units it reports for AMOEBAs' merges, and its
 them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`, `_slot`) it works on.
 """
 
+from array import array
+
 from services.executor.engine.memory.ledger import LedgerSnapshot
 from services.executor.engine.morphing.slots import slot_moves
 from services.simulator.tp import ffn_pages_freed
@@ -39,7 +41,7 @@ class MemberArena:
         gained.update((i, reclaim) for i, (reclaim, _) in resized.items() if reclaim)
         taking = {p for pages in gained.values() for p in pages}
         moved = {p: self.ledger.relocate(p, taking) for p in sorted(taking) if self.ledger.refcount(p) > 0}
-        self.mapped = [moved.get(p, p) for p in self.mapped]
+        self.mapped = array("i", (moved.get(p, p) for p in self.mapped))
         for i, pages in gained.items():
             self.ledger.assign_slot(i, pages)
         self.held, self.layer_bits = keep, list(bits)
@@ -51,10 +53,10 @@ class MemberArena:
         key = ("backing", self.laid_out_as, count)
         if key not in laid_out:
             arena = laid_out[self.laid_out_as].copy()
-            laid_out[key] = arena, arena.allocate_many(count)
+            laid_out[key] = arena, array("i", arena.allocate_many(count))
         arena, mapped = laid_out[key]
         self.take_arena(arena.copy())
-        self.mapped = list(mapped)
+        self.mapped = mapped[:]
 
     def map_blocks(self, count: int) -> None:
         self.mapped.extend(self.ledger.allocate_many(max(0, count - len(self.mapped))))

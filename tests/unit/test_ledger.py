@@ -186,6 +186,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.copied is not None:
             ledger, snapshot, free = self.copied
             assert ledger.snapshot() == snapshot and ledger.free_pages() == free
+            ledger.check_consistency()  # its pages' owners and refcounts, which the copy must not share
 
     @invariant()
     def adds_up(self):

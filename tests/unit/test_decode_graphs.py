@@ -3,8 +3,8 @@ replays the graphs themselves) must give the tokens the engine gives without the
 
 import pytest
 
-from services.executor.engine.engine import LLMEngine
 from kernels.tuning import rows_bucket
+from services.executor.engine.engine import LLMEngine
 from services.executor.engine.graphs import DecodeGraphs, buckets, warm_linears
 from services.executor.engine.model import decoder
 from shared.config import EngineConfig

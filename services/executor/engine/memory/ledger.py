@@ -58,7 +58,7 @@ class PageLedger:
         """An independent ledger in this one's state: a simulated fleet lays out a thousand arenas alike."""
         twin = object.__new__(PageLedger)
         twin.__dict__ = {name: value[:] if isinstance(value, (list, array, bytearray)) else
-                         value.copy() if isinstance(value, set) else value
+                         value.copy() if isinstance(value, (set, dict)) else value
                          for name, value in self.__dict__.items()}
         return twin
 

@@ -40,6 +40,7 @@ from services.executor.engine.model.config import ModelConfig
 from services.executor.engine.morphing.quant import int4_group
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+BIAS_OF = {name: name.removesuffix("_proj") + "_bias" for name in LINEARS}  # the slot's name for a linear's bias
 INPUT_MAJOR = "down_proj"  # its 2-D tensors (weight, INT8/INT4 codes, INT4 scales and zeros) are stored transposed
 PIECE_MULTIPLE = 32  # channels: a piece holds whole INT4 groups (int4_group of the piece width) and bytes
 
@@ -190,7 +191,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def linear(x: torch.Tensor, w: dict, name: str, bits: int) -> torch.Tensor:
     """x @ W^T (+ its bias, where the layer has one: Qwen2's q/k/v) for a layer's weight `name` in whatever
     precision its slot holds now."""
-    bias = w.get(name.removesuffix("_proj") + "_bias")
+    bias = w.get(BIAS_OF[name])
     if bits == 8:
         return w8a16_linear(x, w[f"{name}.q"], w[f"{name}.scale"], bias)
     if bits == 4:

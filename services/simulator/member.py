@@ -62,8 +62,7 @@ class MemberArena:
         self.mapped.extend(self.ledger.allocate_many(max(0, count - len(self.mapped))))
 
     def unmap_blocks(self, count: int) -> None:
-        for page in self.mapped[count:]:
-            self.ledger.decref(page)
+        self.ledger.decref_all(self.mapped[count:])
         del self.mapped[count:]
 
     def join(self, group) -> None:
@@ -111,7 +110,7 @@ class MemberArena:
         return self.units
 
     def kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
-        """Telemetry's KvPages, as fields (validated inside the report: one validation a report, not two). In an
+        """Telemetry's KvPages, as fields (the bench's poll reads them as a dict, the report makes them one). In an
         instance, the instance's blocks, as fabric/member.py's snapshot counts them on every member."""
         if self.group is None:
             return dict(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,

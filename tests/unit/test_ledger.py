@@ -95,6 +95,23 @@ class LedgerMachine(RuleBasedStateMachine):
         if not self.refs[page]:
             del self.refs[page]
 
+    @rule(data=st.data())
+    def free_all(self, data):
+        """A block table freed at once: each page once, and maybe one it does not hold, which raises there."""
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.refs)), unique=True) if self.refs else st.just([]))
+        stray = data.draw(st.one_of(st.none(), st.integers(-2, 25)))
+        if stray is not None and stray not in self.refs:
+            cut = data.draw(st.integers(0, len(pages)))
+            with pytest.raises(LedgerError):
+                self.ledger.decref_all(pages[:cut] + [stray] + pages[cut:])
+            pages = pages[:cut]  # freed before its turn came, as decref one by one would have
+        else:
+            self.ledger.decref_all(pages)
+        for page in pages:
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                del self.refs[page]
+
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
     def relocate(self, data):

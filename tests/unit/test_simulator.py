@@ -18,6 +18,7 @@ from services.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
 from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
+from services.simulator import executor as simulated_executor
 from services.simulator import run as simulate_cli
 from services.simulator import tp
 from services.monitor.aggregate import ClusterView
@@ -26,7 +27,8 @@ from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest
 from services.simulator.fidelity import compare
 from services.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
-from shared.messages import BatchArgs, EvictArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, TpMergeArgs
+from shared.messages import (BatchArgs, EvictArgs, ExecutorTelemetry, QuantizeArgs, ReplicateArgs, RestoreArgs,
+                             TpMergeArgs)
 from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 
 PAGE = 737_280
@@ -733,3 +735,27 @@ def test_the_monitor_takes_each_executors_newest_report_into_a_state_with_every_
         assert tick - 0.05 <= report.time < tick  # the last periodic report before the tick
     newest = before_last[-1].time
     assert sum(len(t.requests) for t in observed) == sum(r.done_s <= newest for r in run.requests) > 0
+
+
+@pytest.mark.parametrize("tp_degree", [1, 2])
+def test_reports_built_without_validation_are_the_messages_validation_makes(tmp_path, monkeypatch, tp_degree):
+    """The simulator builds its reports without ExecutorTelemetry's validation, for speed: every report of a run,
+    alone or in a TP2 instance, leader or follower, with finished requests and under pressure, must be the
+    message validation makes of the same fields, field by field, type by type and in the same order."""
+    unvalidated, checked = simulated_executor.unvalidated, []
+
+    def built_and_checked(message, **fields):
+        built, validated = unvalidated(message, **fields), message(**fields)
+        assert built == validated and list(built.__dict__) == list(validated.__dict__)
+        assert [type(v) for v in built.__dict__.values()] == [type(v) for v in validated.__dict__.values()]
+        if message is ExecutorTelemetry:
+            checked.append(built)
+        return built
+
+    monkeypatch.setattr(simulated_executor, "unvalidated", built_and_checked)
+    path = write_fleet(tmp_path, pages=720 if tp_degree == 1 else 400, count=2, all_reduce_s=0.0007)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"tp": tp_degree}))
+    played = Simulation(read_fleet(path), SimSettings()).run(burst())
+    assert all(r.error is None for r in played.requests)
+    assert {r.executor for r in checked} == {"exec0", "exec1"}
+    assert any(r.requests for r in checked) and any(r.pressure_events for r in checked)

@@ -152,8 +152,7 @@ class InstanceMember:
 
     def unmap_blocks(self, count: int) -> None:
         """Give back the pages of the blocks from `count` on (the instance no longer has them)."""
-        for page in self.page_of[count:]:
-            self.arena.ledger.decref(page)
+        self.arena.ledger.decref_all(self.page_of[count:])
         del self.page_of[count:]
         self.pages = torch.tensor(self.page_of, dtype=torch.int64, device=self.device)
 

@@ -67,8 +67,7 @@ class BlockManager:
         return moved
 
     def free(self, seq: Sequence) -> None:
-        for page in reversed(seq.block_table):
-            self.ledger.decref(page)
+        self.ledger.decref_all(seq.block_table[::-1])
         seq.block_table = []
 
     def _shared_write_block(self, seq: Sequence) -> int | None:

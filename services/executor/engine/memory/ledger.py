@@ -222,6 +222,20 @@ class PageLedger:
             self._free.add(page)
             heapq.heappush(self._free_heap, -page)
 
+    def decref_all(self, pages: list[int]) -> None:
+        """decref each of `pages` in turn, as a sequence's whole block table is freed: one call, not one a page, for
+        the tens of blocks a finished sequence holds. A page that is not allocated raises as decref does, when
+        its turn comes."""
+        refcount, free, heap, num_pages = self._refcount, self._free, self._free_heap, self.num_pages
+        for page in pages:
+            if not 0 <= page < num_pages or refcount[page] <= 0:
+                self._check_used(page)  # raises, saying which
+            left = refcount[page] - 1
+            refcount[page] = left
+            if not left:
+                free.add(page)
+                heapq.heappush(heap, -page)
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 

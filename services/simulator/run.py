@@ -228,8 +228,13 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
             record["model"] = request.model
     result["quality"] = {"ppl_token_weighted": result["precision"]["ppl_token_weighted"],
                          "full_precision_token_share": result["precision"]["full_precision_token_share"]}
+    tokens = sum(r.tokens for r in played.requests)
     result["simulation"] = {
         "simulated_s": played.elapsed_s, "wall_s": wall_s,
+        # What the simulator's speed follows: a token generated costs about the same wall time whatever the fleet,
+        # so a fleet runs in real time while it generates fewer tokens a second than this says the CPU simulates.
+        "generated_tokens": tokens,
+        "loop_wall_us_per_token": 1e6 * (wall_s - setup_s) / tokens if tokens else None,
         "simulated_s_per_wall_s": played.elapsed_s / wall_s if wall_s > 0 else None,
         "setup_s": setup_s,
         "loop_simulated_s_per_wall_s": played.elapsed_s / (wall_s - setup_s) if wall_s > setup_s else None,
@@ -297,8 +302,10 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
         built_s = setup_s if i == 0 else 0.0
         wall_s = loop_s + built_s
         results[w.name] = window_report(played, wall_s, args, table, fleet, rest, built_s)
+        per_token = results[w.name]["simulation"]["loop_wall_us_per_token"]
         print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in {wall_s:.1f} s"
               + (f" (building the cluster {built_s:.1f} s of it)" if built_s else "")
+              + (f", {per_token:.1f} us a generated token" if per_token else "")
               + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""), file=sys.stderr)
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles

@@ -471,6 +471,11 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
     assert first["simulation"]["setup_s"] > 0 and second["simulation"]["setup_s"] == 0
     assert first["simulation"]["loop_simulated_s_per_wall_s"] > first["simulation"]["simulated_s_per_wall_s"]
     assert second["simulation"]["loop_simulated_s_per_wall_s"] == second["simulation"]["simulated_s_per_wall_s"]
+    for window in (first, second):  # every token the client received, and the loop's wall time spread over them
+        simulation = window["simulation"]
+        assert simulation["generated_tokens"] == sum(r["completion_tokens"] for r in window["requests"]) > 0
+        assert simulation["loop_wall_us_per_token"] == pytest.approx(
+            1e6 * (simulation["wall_s"] - simulation["setup_s"]) / simulation["generated_tokens"])
     assert first["rest"] == {"waited_s": 0.0, "started_at_rest": True}  # the bench's windows: rested between
     assert second["rest"]["started_at_rest"] and second["rest"]["waited_s"] >= 10.0
     assert fp16["quality"]["full_precision_token_share"] == 1.0

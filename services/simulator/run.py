@@ -305,8 +305,8 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
         per_token = results[w.name]["simulation"]["loop_wall_us_per_token"]
         print(f"  {mode} {w.name}: {len(arrivals)} requests, {played.elapsed_s:.0f} s simulated in {wall_s:.1f} s"
               + (f" (building the cluster {built_s:.1f} s of it)" if built_s else "")
-              + (f", {per_token:.1f} us a generated token" if per_token else "")
-              + (f" after a rest of {rest['waited_s']:.0f} s" if rest else ""), file=sys.stderr)
+              + (f" after a rest of {rest['waited_s']:.0f} s" if rest else "")
+              + (f", {per_token:.1f} us a generated token" if per_token else ""), file=sys.stderr)
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles
     return results

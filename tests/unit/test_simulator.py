@@ -764,3 +764,31 @@ def test_reports_built_without_validation_are_the_messages_validation_makes(tmp_
     assert all(r.error is None for r in played.requests)
     assert {r.executor for r in checked} == {"exec0", "exec1"}
     assert any(r.requests for r in checked) and any(r.pressure_events for r in checked)
+
+
+def test_reports_of_pressure_no_state_would_read_are_not_built_and_change_nothing(tmp_path, monkeypatch):
+    """Overloaded, every refusal is new pressure. Once the one state between two ticks that pressure may bring has
+    gone out, a report that a periodic one replaces before the tick is left unbuilt: the requests, the states and
+    the events come out as when every such report is built, from fewer reports."""
+    fleet = read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=2, max_waiting=2))
+    arrivals = [TraceRequest(0.5 + i * 0.003, 100, 40) for i in range(400)]
+    settings = SimSettings(monitor=MonitorConfig(publish_interval_s=0.5))
+
+    def played(build_all: bool):
+        built, states = [], []
+        telemetry, publish = SimExecutor.telemetry, Simulation._publish
+        with monkeypatch.context() as m:
+            m.setattr(SimExecutor, "telemetry", lambda self, now: built.append(now) or telemetry(self, now))
+            m.setattr(Simulation, "_publish", lambda self: publish(self) or states.append(self.state))
+            if build_all:
+                m.setattr(Simulation, "_unheard", lambda self, name: False)
+            run = Simulation(fleet, settings).run(arrivals)
+        return run, built, states
+
+    lean, lean_built, lean_states = played(build_all=False)
+    full, full_built, full_states = played(build_all=True)
+    assert sum(r.error is not None for r in full.requests) > 100  # refused: every queue full
+    assert [(r.executor, r.done_s, r.error) for r in lean.requests] == [(r.executor, r.done_s, r.error)
+                                                                        for r in full.requests]
+    assert lean_states == full_states and lean.events == full.events
+    assert len(lean_built) < len(full_built) / 2

@@ -366,15 +366,19 @@ class Simulation:
         """Whether the monitor's next tick would take this periodic report's successor instead, and nothing else
         reads it: it shows no new pressure (the arrival's only judgement) and its finished requests ride on the
         next one. Left unbuilt, it was half of a thousand-executor run's reports at 10 Hz to 5 states a second."""
-        return (self.now + self.settings.telemetry_interval_s < self._next_tick
+        return (self._replaced_before_tick(name)
                 and self.executors[name].pressure_events() <= self._published.get(name, 0))
+
+    def _replaced_before_tick(self, name: str) -> bool:
+        """Whether `name`'s next periodic report comes before the monitor's next tick, and so takes a report's place."""
+        return self._next_periodic.get(name, float("inf")) < self._next_tick
 
     def _unheard(self, name: str) -> bool:
         """Whether a report of new pressure would change no state: the one state between two ticks that new pressure
         may bring has gone out, and a periodic report comes before the tick and replaces this one unread. Left
         unbuilt, as the executor's own next report takes its pressure and finished requests. Under overload every
         refusal is new pressure, and each report walks a full queue: the whole trace had run at 0.03x real time."""
-        return not self._urgent_open and self._next_periodic.get(name, float("inf")) < self._next_tick
+        return not self._urgent_open and self._replaced_before_tick(name)
 
     def _build_report(self, name: str) -> bool:
         """Report now; True when the report shows new pressure."""

@@ -15,7 +15,7 @@ can hold now are withdrawn (absent) and come back when they can again (services/
 
 import heapq
 from array import array
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from services.executor.engine.errors import LedgerError
@@ -216,16 +216,12 @@ class PageLedger:
 
     def decref(self, page: int) -> None:
         """Drop one reference; the page becomes free when none is left."""
-        left = self._check_used(page) - 1
-        self._refcount[page] = left
-        if not left:
-            self._free.add(page)
-            heapq.heappush(self._free_heap, -page)
+        self.decref_all((page,))
 
-    def decref_all(self, pages: list[int]) -> None:
+    def decref_all(self, pages: Iterable[int]) -> None:
         """decref each of `pages` in turn, as a sequence's whole block table is freed: one call, not one a page, for
-        the tens of blocks a finished sequence holds. A page that is not allocated raises as decref does, when
-        its turn comes."""
+        the tens of blocks a finished sequence holds. A page that is not allocated raises, saying which, when its
+        turn comes."""
         refcount, free, heap, num_pages = self._refcount, self._free, self._free_heap, self.num_pages
         for page in pages:
             if not 0 <= page < num_pages or refcount[page] <= 0:

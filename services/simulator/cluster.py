@@ -422,7 +422,7 @@ class Simulation:
         self._inbox.setdefault(name, []).extend((decided, c) for c in commands)
         if name in self._stepping:
             self._cut(name)
-        else:
+        elif name not in self._blocked:  # else applying earlier ones or at a merge's collective: they wait their turn
             self._apply(name)
 
     def _apply(self, name: str) -> None:
@@ -478,7 +478,10 @@ class Simulation:
         self._blocked.discard(name)
         self._busy.discard(name)
         self._settled[name] = answered
-        self._kick(name)
+        if self._inbox.get(name):
+            self._apply(name)
+        else:
+            self._kick(name)
 
     # --- what the bench's cluster poll would have seen ------------------------------------------------------
     def _sample(self) -> None:

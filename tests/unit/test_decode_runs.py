@@ -230,3 +230,20 @@ def test_a_run_stops_before_the_step_whose_page_is_not_free(tmp_path):
             executor.ledger.allocate()
         run = decode_run.plan_run(executor.scheduler, executor.blocks, 512, ends, ten_ms_steps)
         assert len(run.ends) == steps and [step for step, _ in run.pages] == [3, 5][:free]
+
+
+def test_a_command_that_reaches_a_member_waiting_at_a_merges_collective_waits_its_turn(tmp_path):
+    """A long request makes the gateway merge exec0 and exec1; exec0 reaches the collective first and waits
+    there for exec1's step, and the controller's quantize for exec0's pressure comes meanwhile. It is taken
+    after the merge (refused: a member morphs with its instance), as the real executor's engine thread takes
+    its commands one by one. Applied at once, it had let exec0 step at the collective, and that step ended
+    holding a sequence the merge had given the leader."""
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages=10, count=2, hop_s=2e-4))
+    arrivals = [TraceRequest(0.5, 68, 14), TraceRequest(0.5, 65, 1), TraceRequest(0.5, 61, 13),
+                TraceRequest(1.375, 1, 1), TraceRequest(1.375, 82, 80)]
+    runs, single = (seen(*replay(fleet, arrivals, flag, "morph", 0.5)) for flag in (True, False))
+    assert runs == single
+    commands = [(e["data"]["executor"], e["data"]["kind"], e["data"]["ok"]) for e in runs["events"][0]
+                if e["kind"] == "command"]
+    assert commands[:3] == [("exec1", "tp_merge", True), ("exec0", "tp_merge", True), ("exec0", "quantize", False)]
+    assert [r["error"] for r in runs["requests"][0]][:4] == [None] * 4

@@ -50,22 +50,35 @@ def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
 async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry], interval_s: float,
                     wake: asyncio.Event | None = None) -> None:
     """Publish `telemetry()` every `interval_s` until cancelled: an executor's heartbeat, leader or follower.
-    Setting `wake` publishes at once, out of the cycle: pressure must not wait for the next beat."""
+    Setting `wake` publishes at once, out of the cycle, since pressure must not wait for the next beat; but once
+    between two beats at most. Under overload every step and every refusal raises pressure, and the monitor
+    takes only an executor's newest report into a state: more would flood the bus with reports read by no one.
+    Pressure that rises after the report out of cycle goes out with the next beat."""
+    loop = asyncio.get_running_loop()
     while True:
-        try:
-            await bus.publish(subjects.telemetry(executor), telemetry())
-        except BusError:  # down: the bus logs that once, and the next heartbeat is what counts
-            pass
-        except Exception:
-            log.exception("executor %s: telemetry failed", executor)
+        if wake is not None:
+            wake.clear()  # before the report is built: it carries whatever woke it
+        await _publish_telemetry(bus, executor, telemetry)
         if wake is None:
             await asyncio.sleep(interval_s)
             continue
+        beat = loop.time() + interval_s
         try:
             await asyncio.wait_for(wake.wait(), interval_s)
         except TimeoutError:
-            pass
+            continue
         wake.clear()
+        await _publish_telemetry(bus, executor, telemetry)
+        await asyncio.sleep(max(0.0, beat - loop.time()))
+
+
+async def _publish_telemetry(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry]) -> None:
+    try:
+        await bus.publish(subjects.telemetry(executor), telemetry())
+    except BusError:  # down: the bus logs that once, and the next heartbeat is what counts
+        pass
+    except Exception:
+        log.exception("executor %s: telemetry failed", executor)
 
 
 class ExecutorService:

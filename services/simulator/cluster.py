@@ -156,6 +156,7 @@ class Simulation:
         self._pressure_sent: dict[str, float] = {}
         self._unbuilt: dict[str, float] = {}  # periodic reports left unbuilt since the last state (_superseded)
         self._next_periodic: dict[str, float] = {}  # when each executor's next periodic report is due
+        self._woken: set[str] = set()  # executors whose one report out of cycle since their last beat has gone
         self._next_tick = 0.0
         self.events: list[Event] = []
         self.samples: list[tuple[float, list[dict]]] = []
@@ -350,14 +351,19 @@ class Simulation:
     # --- telemetry, the monitor and the controller --------------------------------------------------------
     def _report(self, name: str, periodic: bool) -> None:
         if periodic:
+            self._woken.discard(name)
             self._next_periodic[name] = self.now + self.settings.telemetry_interval_s
             self.at(self._next_periodic[name], self._report, name, True)
             if self._superseded(name):
                 self._unbuilt[name] = self.now
                 return
-        elif self._unheard(name):
-            self._published[name] = self.executors[name].pressure_events()
-            return
+        else:
+            if name in self._woken:
+                return  # the executor's heartbeat: one report out of cycle between two beats, the rest with the beat
+            self._woken.add(name)
+            if self._unheard(name):
+                self._published[name] = self.executors[name].pressure_events()
+                return
         if self._build_report(name) and self._urgent_open:
             self._urgent_open = False  # the monitor's cap: one state between two ticks for new pressure
             self._publish()

@@ -791,4 +791,23 @@ def test_reports_of_pressure_no_state_would_read_are_not_built_and_change_nothin
     assert [(r.executor, r.done_s, r.error) for r in lean.requests] == [(r.executor, r.done_s, r.error)
                                                                         for r in full.requests]
     assert lean_states == full_states and lean.events == full.events
-    assert len(lean_built) < len(full_built) / 2
+    assert len(lean_built) < len(full_built) * 0.8
+
+
+def test_an_overloaded_executor_reports_out_of_cycle_once_between_two_beats_as_its_heartbeat_does(tmp_path,
+                                                                                                  monkeypatch):
+    """Every refusal is new pressure: a report for each would flood the monitor with reports it reads only the
+    newest of. The real heartbeat sends one out of cycle between two beats, the rest with the beat."""
+    fleet = read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=2, max_waiting=2))
+    arrivals = [TraceRequest(0.5 + i * 0.003, 100, 40) for i in range(400)]
+    settings = SimSettings()
+    built: dict[str, list[float]] = {"exec0": [], "exec1": []}
+    telemetry = SimExecutor.telemetry
+    monkeypatch.setattr(SimExecutor, "telemetry", lambda self, now: built[self.id].append(now) or telemetry(self, now))
+    monkeypatch.setattr(Simulation, "_unheard", lambda self, name: False)  # every report the executors send, built
+    monkeypatch.setattr(Simulation, "_superseded", lambda self, name: False)
+    run = Simulation(fleet, settings).run(arrivals)
+    assert sum(r.error is not None for r in run.requests) > 100
+    beats = (1.7 - 0.5) / settings.telemetry_interval_s
+    for times in built.values():
+        assert beats <= sum(0.5 <= t < 1.7 for t in times) <= 2 * (beats + 1)

@@ -203,6 +203,27 @@ def test_a_flood_overflows_the_waiting_queue(nats_server, tiny):
     asyncio.run(scenario())
 
 
+def test_a_flood_of_refusals_reports_pressure_at_once_but_once_between_two_beats(nats_server, tiny):
+    """Every refusal of a full queue is new pressure. The first since a beat goes out at once; the rest ride on
+    the next beat, so that a flood of refusals does not flood the monitor with reports it reads the newest of."""
+    async def scenario():
+        async with serving(nats_server.url, tiny) as (service, gw):
+            interval = service.config.telemetry_interval_s
+            sampling = SamplingOptions(max_tokens=40, ignore_eos=True)
+            await gw.telemetry_where(lambda t: True)
+            seen, began, sent, refused = len(gw.telemetry), time.monotonic(), 0, 0
+            while time.monotonic() - began < 1.5:
+                answers = await asyncio.gather(*[gw.admit(f"o{sent + i}", prompt="hello", sampling=sampling)
+                                                 for i in range(4)])
+                sent, refused = sent + 4, refused + sum(not a.accepted for a in answers)
+            beats = (time.monotonic() - began) / interval + 1
+            assert refused > 4 * beats  # pressure rose far more often than reports may go out
+            assert len(gw.telemetry) - seen <= 2 * beats + 1
+            assert (await gw.telemetry_where(lambda t: t.rejected == refused)).rejected == refused
+
+    asyncio.run(scenario())
+
+
 def test_every_completion_of_a_cancelled_request_gets_a_final_delta(nats_server, tiny):
     async def scenario():
         async with serving(nats_server.url, tiny) as (service, gw):

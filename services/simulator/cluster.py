@@ -196,7 +196,12 @@ class Simulation:
 
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:
-        heapq.heappush(self._heap, (t, next(self._order), handler, args))
+        heapq.heappush(self._heap, (t, 1, next(self._order), handler, args))
+
+    def _step_ends_at(self, t: float, name: str, serial: int) -> None:
+        """A step's end comes before anything else at the same instant: a decode run's steps have ended by the
+        time their end comes (`DecodeRun.begun_by`), so single steps must have too, or a tie tells them apart."""
+        heapq.heappush(self._heap, (t, 0, next(self._order), self._step_end, (name, serial)))
 
     def run(self, arrivals: list[TraceRequest]) -> SimRun:
         """Replay one window's arrivals from now on: on a fresh cluster, or on the one an earlier window and a
@@ -248,7 +253,7 @@ class Simulation:
         waiting = bool(self._open)
         with no_cycle_collection():
             while self._heap and self._heap[0][0] <= until and (self._open or not waiting):
-                self.now, _, handler, args = heapq.heappop(self._heap)
+                self.now, _, _, handler, args = heapq.heappop(self._heap)
                 handler(*args)
         if not waiting or self._open:  # the drain's end comes: what is still open is cancelled then, not earlier
             self.now = max(self.now, until)
@@ -318,14 +323,14 @@ class Simulation:
         executor = self.executors[name]
         if (ends := executor.start_step(self.now)) is not None:
             self._stepping.add(name)
-            self.at(ends, self._step_end, name, executor.step_serial)
+            self._step_ends_at(ends, name, executor.step_serial)
 
     def _cut(self, name: str) -> None:
         """An arrival, a command or a cancel changes what `name`'s next step schedules: a decode run it is in ends
         with the step in flight."""
         executor = self.executors[name]
         if (ends := executor.cut(self.now)) is not None:
-            self.at(ends, self._step_end, name, executor.step_serial)
+            self._step_ends_at(ends, name, executor.step_serial)
 
     def _step_end(self, name: str, serial: int) -> None:
         if serial != self.executors[name].step_serial:

@@ -247,3 +247,14 @@ def test_a_command_that_reaches_a_member_waiting_at_a_merges_collective_waits_it
                 if e["kind"] == "command"]
     assert commands[:3] == [("exec1", "tp_merge", True), ("exec0", "tp_merge", True), ("exec0", "quantize", False)]
     assert [r["error"] for r in runs["requests"][0]][:4] == [None] * 4
+
+
+def test_a_step_that_ends_with_a_report_at_the_same_instant_has_ended_for_it(tmp_path):
+    """Found by the property above: here a run's last step ends at 3.700000000000002 s, the very float of a
+    periodic report. A run's steps have ended by their end (`DecodeRun.begun_by`); single steps had ended or
+    not by the order their events were queued in, and the report saw 13 pages still in use or none."""
+    fleet = read_fleet(write_fleet(tmp_path, kv_pages=32, count=1, hop_s=2e-4))
+    arrivals = [TraceRequest(0.0, 87, 44), TraceRequest(0.0, 87, 44), TraceRequest(1.90625, 1, 25),
+                TraceRequest(1.90625, 139, 25)]
+    runs, single = (seen(*replay(fleet, arrivals, flag, "morph", 90.0)) for flag in (True, False))
+    assert runs == single

@@ -339,6 +339,10 @@ class Simulation:
         for request in self.executors[name].finish_step(self.now):
             self._open.discard(request.index)
         self._after_pressure(name)
+        self._take_next(name)
+
+    def _take_next(self, name: str) -> None:
+        """Free again (a step ended, commands applied): the commands delivered meanwhile first, else a step."""
         if self._inbox.get(name):
             self._apply(name)
         else:
@@ -489,10 +493,7 @@ class Simulation:
         self._blocked.discard(name)
         self._busy.discard(name)
         self._settled[name] = answered
-        if self._inbox.get(name):
-            self._apply(name)
-        else:
-            self._kick(name)
+        self._take_next(name)
 
     # --- what the bench's cluster poll would have seen ------------------------------------------------------
     def _sample(self) -> None:

@@ -92,6 +92,10 @@ def seen(sim: Simulation, runs: list) -> dict:
                           for name, e in sim.executors.items()}}
 
 
+def runs_and_single_steps(fleet, arrivals, levers: str, drain_s: float) -> tuple[dict, dict]:
+    return tuple(seen(*replay(fleet, arrivals, flag, levers, drain_s)) for flag in (True, False))
+
+
 requests = st.lists(st.builds(TraceRequest, st.floats(0.0, 2.0), st.integers(1, 200), st.integers(1, 80)),
                     min_size=1, max_size=14).map(lambda rs: sorted(rs, key=lambda r: r.arrival_s))
 
@@ -114,7 +118,7 @@ def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, flee
     pages stop them before a preemption; an instance's run marks its members busy as its steps would."""
     count, kv_pages, levers = fleet
     fleet = read_fleet(write_fleet(tmp_path, kv_pages, count, hop_s=2e-4))
-    runs, single = (seen(*replay(fleet, arrivals, flag, levers, drain_s)) for flag in (True, False))
+    runs, single = runs_and_single_steps(fleet, arrivals, levers, drain_s)
     assert runs == single
 
 
@@ -241,7 +245,7 @@ def test_a_command_that_reaches_a_member_waiting_at_a_merges_collective_waits_it
     fleet = read_fleet(write_fleet(tmp_path, kv_pages=10, count=2, hop_s=2e-4))
     arrivals = [TraceRequest(0.5, 68, 14), TraceRequest(0.5, 65, 1), TraceRequest(0.5, 61, 13),
                 TraceRequest(1.375, 1, 1), TraceRequest(1.375, 82, 80)]
-    runs, single = (seen(*replay(fleet, arrivals, flag, "morph", 0.5)) for flag in (True, False))
+    runs, single = runs_and_single_steps(fleet, arrivals, "morph", 0.5)
     assert runs == single
     commands = [(e["data"]["executor"], e["data"]["kind"], e["data"]["ok"]) for e in runs["events"][0]
                 if e["kind"] == "command"]
@@ -256,5 +260,5 @@ def test_a_step_that_ends_with_a_report_at_the_same_instant_has_ended_for_it(tmp
     fleet = read_fleet(write_fleet(tmp_path, kv_pages=32, count=1, hop_s=2e-4))
     arrivals = [TraceRequest(0.0, 87, 44), TraceRequest(0.0, 87, 44), TraceRequest(1.90625, 1, 25),
                 TraceRequest(1.90625, 139, 25)]
-    runs, single = (seen(*replay(fleet, arrivals, flag, "morph", 90.0)) for flag in (True, False))
+    runs, single = runs_and_single_steps(fleet, arrivals, "morph", 90.0)
     assert runs == single

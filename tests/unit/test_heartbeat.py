@@ -6,9 +6,8 @@ import time
 from services.executor.service import heartbeat
 from shared import subjects
 from shared.messages import ExecutorTelemetry
+from tests.unit.test_bounded_queues import EXEC, until
 from tests.unit.test_monitor_aggregate import telemetry
-
-EXEC = "exec0"
 
 
 class RecordingBus:
@@ -18,13 +17,6 @@ class RecordingBus:
     async def publish(self, subject: str, message) -> None:
         assert subject == subjects.telemetry(EXEC)
         self.reports.append((time.monotonic(), message))
-
-
-async def until(condition, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 def beating(interval_s: float):

@@ -766,12 +766,19 @@ def test_reports_built_without_validation_are_the_messages_validation_makes(tmp_
     assert any(r.requests for r in checked) and any(r.pressure_events for r in checked)
 
 
+# Two executors of two sequences and two waiting, and 400 arrivals in 1.2 s: every queue full, most refused.
+OVERLOAD = [TraceRequest(0.5 + i * 0.003, 100, 40) for i in range(400)]
+
+
+def overloaded_fleet(tmp_path):
+    return read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=2, max_waiting=2))
+
+
 def test_reports_of_pressure_no_state_would_read_are_not_built_and_change_nothing(tmp_path, monkeypatch):
     """Overloaded, every refusal is new pressure. Once the one state between two ticks that pressure may bring has
     gone out, a report that a periodic one replaces before the tick is left unbuilt: the requests, the states and
     the events come out as when every such report is built, from fewer reports."""
-    fleet = read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=2, max_waiting=2))
-    arrivals = [TraceRequest(0.5 + i * 0.003, 100, 40) for i in range(400)]
+    fleet, arrivals = overloaded_fleet(tmp_path), OVERLOAD
     settings = SimSettings(monitor=MonitorConfig(publish_interval_s=0.5))
 
     def played(build_all: bool):
@@ -798,8 +805,7 @@ def test_an_overloaded_executor_reports_out_of_cycle_once_between_two_beats_as_i
                                                                                                   monkeypatch):
     """Every refusal is new pressure: a report for each would flood the monitor with reports it reads only the
     newest of. The real heartbeat sends one out of cycle between two beats, the rest with the beat."""
-    fleet = read_fleet(write_fleet(tmp_path, count=2, max_num_seqs=2, max_waiting=2))
-    arrivals = [TraceRequest(0.5 + i * 0.003, 100, 40) for i in range(400)]
+    fleet, arrivals = overloaded_fleet(tmp_path), OVERLOAD
     settings = SimSettings()
     built: dict[str, list[float]] = {"exec0": [], "exec1": []}
     telemetry = SimExecutor.telemetry

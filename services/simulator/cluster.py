@@ -79,7 +79,9 @@ class SimSettings:
     bus_latency_s: float = 0.001
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
     spare: bool = False  # instances of two, every layer on the first (bench/modes.py's spare plan)
-    decode_runs: bool = True  # decode-only batches advanced many steps at once (decode_run.py): the same results
+    # decode-only batches advanced many steps at once (decode_run.py), a batch of decodes with its admissions
+    # stepped in one pass (decode_step.py): the same results as the scheduler's single steps, faster
+    decode_runs: bool = True
 
 
 @dataclass

@@ -32,14 +32,26 @@ from shared.planner.shapes import ModelShape
 
 def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk]) -> float:
     """One decoder layer at `bits` over `chunks`: their decodes as one batch, their prefill chunks as another."""
-    if not chunks:
-        return 0.0
-    decodes = [c for c in chunks if c.length == 1 and c.start >= len(c.seq.prompt_ids)]
-    prefills = [c.length for c in chunks if not (c.length == 1 and c.start >= len(c.seq.prompt_ids))]
+    return phase_seconds(spec, bits, *phases(chunks))
+
+
+def phases(chunks: Sequence[ScheduledChunk]) -> tuple[int, int, list[int]]:
+    """(the step's decodes, the sum of their contexts, its prefill chunks' lengths): what a layer's time reads."""
+    decodes, context, prefills = 0, 0, []
+    for c in chunks:
+        if c.length == 1 and c.start >= len(c.seq.prompt_ids):
+            decodes += 1
+            context += c.start + 1
+        else:
+            prefills.append(c.length)
+    return decodes, context, prefills
+
+
+def phase_seconds(spec: ExecutorSpec, bits: int, decodes: int, context: int, prefills: list[int]) -> float:
+    """One decoder layer at `bits`: `decodes` at their mean context, then the prefill chunks as one batch."""
     seconds = 0.0
     if decodes:
-        context = sum(c.start + 1 for c in decodes) / len(decodes)
-        seconds += spec.latency.decode(bits, len(decodes), int(context))
+        seconds += spec.latency.decode(bits, decodes, int(context / decodes))
     if prefills:
         seconds += spec.latency.prefill(bits, len(prefills), max(1, round(sum(prefills) / len(prefills))))
     return seconds
@@ -47,8 +59,15 @@ def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk
 
 def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence[ScheduledChunk]) -> float:
     """A step of an executor serving alone."""
-    seconds = sum(layers * layer_seconds(spec, bits, chunks) for bits, layers in bits_count(layer_bits))
-    return seconds + spec.overhead.at(sum(c.length for c in chunks))
+    return phased_step_seconds(spec, layer_bits, *phases(chunks))
+
+
+def phased_step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], decodes: int, context: int,
+                        prefills: list[int]) -> float:
+    """step_seconds of a step given as its phases (`phases`): a decode step's (decode_step.py) without chunks."""
+    seconds = sum(layers * phase_seconds(spec, bits, decodes, context, prefills)
+                  for bits, layers in bits_count(layer_bits))
+    return seconds + spec.overhead.at(decodes + sum(prefills))
 
 
 def decode_step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], batch: int) -> Callable[[int], float]:

@@ -10,6 +10,7 @@ and quantizing a layer releases its slot's tail as KV pages, restoring moves liv
 what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
 max_tokens, as the bench asks with ignore_eos). A batch that only decodes runs many steps as one (decode_run.py):
 `settle` brings it to whatever reads the executor, `cut` ends it where the next step would schedule otherwise.
+A batch of decodes that admits waiting sequences beside them is stepped in one pass over it (decode_step.py).
 
 Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
 that the monitor and the controller read a simulated executor exactly as a real one, with what the service
@@ -34,10 +35,10 @@ from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
-from services.simulator import costs, decode_run
+from services.simulator import costs, decode_run, decode_step
 from services.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
 from services.simulator.instance import SimulatedRefusal, swap
 from services.simulator.member import MemberArena
@@ -119,7 +120,8 @@ class SimExecutor(MemberArena):
                  layout: ModelShape | None = None, starts_in_instance: bool = False):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
         holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
-        (decode_run.py); without, every step is scheduled alone (the same results, slower). `arenas`: empty
+        (decode_run.py), and step a batch of decodes with its admissions in one pass (decode_step.py); without,
+        the scheduler schedules every step (the same results, slower). `arenas`: empty
         arenas laid out before, shared by a fleet's executors (`_lay_out`). `layout`: the layers its arena
         holds, a TP member's shard of them (tp.member_shape); the model's by default. `starts_in_instance`: a
         member of an instance `up --tp` starts, whose arena is the one laid out alike in `arenas` itself until
@@ -152,6 +154,7 @@ class SimExecutor(MemberArena):
         self.rejected = 0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
         self.stepping: SchedulerOutput | None = None
+        self.decoding: list[Sequence] = []  # a decode step's decodes (decode_step.py), outside `stepping`'s chunks
         self.decode_runs = decode_runs
         self.run: decode_run.DecodeRun | None = None  # steps ahead of a decode-only batch, settled lazily
         self.step_serial = 0  # which step or run the cluster's next step end is for: a cut moves it on
@@ -224,25 +227,39 @@ class SimExecutor(MemberArena):
         self.requests[seq.request_id] = request
 
     def start_step(self, now: float) -> float | None:
-        """Schedule the next step, or a run of decode steps (decode_run.py); when it ends, or None when there is
-        nothing to run."""
+        """Schedule the next step, a run of decode steps (decode_run.py) or a decode step (decode_step.py); when it
+        ends, or None when there is nothing to run."""
+        step = None
         if self.decode_runs and self.leads:
             self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
                 self.settle(now)
                 return self.run.ends[-1]
-        out = self.scheduler.schedule()
-        if not out.chunks:
-            return None
+            if self.group is None or self.group.phased_step_seconds:
+                step = decode_step.plan_step(self.scheduler, self.blocks)
+        if step is not None:
+            self.decoding, out = step.decodes, step.admitted
+            phases = (len(step.decodes), step.context, [c.length for c in out.chunks])
+        else:
+            out, phases = self.scheduler.schedule(), None
+            if not out.chunks:
+                return None
         self.step_serial += 1
         self.stepping, self.step_started_s = out, now
         self.busy.begin(now)
+        return now + self._step_seconds(now, out, phases)
+
+    def _step_seconds(self, now: float, out: SchedulerOutput, phases: tuple | None) -> float:
+        """The step `out` beginning `now`, or a decode step of `phases` (costs.phases) with `out` its admissions: its
+        seconds, its instance's other members marked busy for their parts."""
         if self.group is None:
-            return now + costs.step_seconds(self.spec, self.layer_bits, out.chunks)
-        seconds, parts = self.group.step_seconds(out.chunks)
+            return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
+                    else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
+        seconds, parts = (self.group.step_seconds(out.chunks) if phases is None
+                          else self.group.phased_step_seconds(*phases))
         self._members_busy(now, parts)
-        return now + seconds
+        return seconds
 
     def _members_busy(self, now: float, parts: dict[str, float]) -> None:
         """The other members of its instance compute their parts of the step beginning `now`."""
@@ -306,22 +323,33 @@ class SimExecutor(MemberArena):
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
-        if (run := self.run) is not None:  # every step but its last settled, and that one finished as a single one
+        if (run := self.run) is not None:  # every step but its last settled, and that one finished as a decode step
             self.settle(now)
-            self.run, last = None, len(run.ends) - 1
-            self.stepping = SchedulerOutput(chunks=[ScheduledChunk(seq, run.base[i] + last, 1)
-                                                    for i, seq in enumerate(run.seqs)])
-            self.step_started_s = run.start_of(last)
-        out, self.stepping = self.stepping, None
+            self.run, self.stepping, self.decoding = None, SchedulerOutput(), run.seqs
+            self.step_started_s = run.start_of(len(run.ends) - 1)
+        out, self.stepping, decoding, self.decoding = self.stepping, None, self.decoding, []
         self.busy.end(now)
         done = []
         mix = (self.layer_bits.count(8), self.layer_bits.count(4))
         if self.cancelled:
             out.chunks = [c for c in out.chunks if c.seq.request_id not in self.cancelled]
+            decoding = [seq for seq in decoding if seq.request_id not in self.cancelled]
             self._drop_cancelled()
-        # At a thousand executors this loop runs for every sequence of every step: its counts are summed locally.
+        # At a thousand executors these loops run for every sequence of every step: counts are summed locally.
         requests, started, max_model_len = self.requests, self.step_started_s, self.max_model_len
-        prompt_tokens = generated = 0
+        for seq in decoding:  # a decode step's decodes: what the loop below does to a decode's chunk
+            request = requests[seq.request_id]
+            seq.num_computed += 1
+            outputs = seq.output_ids
+            outputs.append(0)
+            request.tokens += 1
+            bits = request.token_bits
+            bits[mix] = bits.get(mix, 0) + 1
+            request.last_token_s = now
+            if len(outputs) >= seq.params.max_tokens or len(seq.prompt_ids) + len(outputs) >= max_model_len:
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+        prompt_tokens, generated = 0, len(decoding)
         for chunk in out.chunks:
             seq, start, length = chunk.seq, chunk.start, chunk.length
             request = requests[seq.request_id]

@@ -100,6 +100,8 @@ def swap(instance, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
 class SimInstance:
     """A TP1 instance of several members (`members`: SimExecutor by name, the plan's leader among them)."""
 
+    phased_step_seconds = None  # its replicas take a step's rows chunk by chunk: only its chunks time a step
+
     def __init__(self, plan: InstancePlan, members: dict):
         self.plan, self.members = plan, members
         self.parts = _parts(plan)

@@ -95,7 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="instead, a `morphling bench-amoebas` JSON: the fleet's predicted steps alone and merged TP2 "
                          "against the ones it measured (written to tp_steps.json in --out)")
     ap.add_argument("--single-steps", action="store_true",
-                    help="schedule every step alone, no decode runs (the same results, slower: to compare)")
+                    help="the scheduler schedules every step alone, no decode runs or decode steps (the same "
+                         "results, slower: to compare)")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -155,12 +155,15 @@ class SimTpInstance:
         raise AssertionError("shared.plans.reshaped accepted an operation on a TP instance")
 
     def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
-        spec, k = self.leader.spec, self.plan.tp
-        reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes,
-                                                                   sum(c.length for c in chunks)))
-        seconds = sum(layers * (costs.layer_seconds(spec, bits, chunks) / k + 2 * reduce)
+        return self.phased_step_seconds(*costs.phases(chunks))
+
+    def phased_step_seconds(self, decodes: int, context: int, prefills: list[int]) -> tuple[float, dict[str, float]]:
+        """step_seconds of a step given as its phases (costs.phases): a decode step's (decode_step.py)."""
+        spec, k, tokens = self.leader.spec, self.plan.tp, decodes + sum(prefills)
+        reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, tokens))
+        seconds = sum(layers * (costs.phase_seconds(spec, bits, decodes, context, prefills) / k + 2 * reduce)
                       for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers]))
-        seconds += spec.overhead.at(sum(c.length for c in chunks))
+        seconds += spec.overhead.at(tokens)
         return seconds, dict.fromkeys(self.members, seconds)
 
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:

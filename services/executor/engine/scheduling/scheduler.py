@@ -103,6 +103,11 @@ class Scheduler:
                 self._take(seq, length, out, in_step)
                 budget -= length
 
+        self.admit(budget, out, in_step)
+        return out
+
+    def admit(self, budget: int, out: SchedulerOutput, in_step: set[int]) -> None:
+        """Rule 3: admit waiting sequences into the step `out` while a slot, `budget` tokens and pages remain."""
         # a step that had to preempt is short of pages: admitting now would only preempt again next step
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
@@ -117,7 +122,6 @@ class Scheduler:
             self.running.append(seq)
             self._take(seq, length, out, in_step)
             budget -= length
-        return out
 
     def _take(self, seq: Sequence, length: int, out: SchedulerOutput, in_step: set[int]) -> None:
         copies, fresh = self.blocks.reserve(seq, seq.num_computed + length)

@@ -113,9 +113,17 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
     """The default order without weighing every executor per request: a gateway routing hundreds of requests a
     second over a thousand executors had walked the hundreds sent to since the last state, per request. A send
     or a refusal only raises an executor's load, so a heap of loads weighed earlier is weighed again only at its
-    top: there a load weighed before the latest send is stale, and one still current is the least of all."""
-    heap, reported = _loads(state, model, sent)
-    skipped, best = [], None
+    top: there a load weighed before the latest send is stale, and one still current is the least of all.
+
+    The excluded are set aside for the next call with the same `exclude` set, which a request's retry walk only
+    grows: a walk past every executor of a fleet whose queues are all full had taken them all off the heap and
+    put them back once per executor tried, its square."""
+    heap, reported, aside = _loads(state, model, sent)
+    if aside[0] is not exclude or len(exclude) < aside[1]:  # another walk's: what it set aside goes back
+        for entry in aside[2]:
+            heapq.heappush(heap, entry)
+        aside[:] = [exclude, 0, []]
+    aside[1], skipped, best = len(exclude), aside[2], None
     while heap:
         load, counted = heap[0]
         name = load[-1]
@@ -126,18 +134,17 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
         else:
             best = name
             break
-    for entry in skipped:
-        heapq.heappush(heap, entry)
     return best
 
 
 # [state, what was sent, {model: (a heap of (load, what was sent when weighed), what each reported (suspect,
-# queue, KV pages used, free) by id)}]: one state is routed on at a time, and what was sent only grows while it is
-# the same mapping (Unreported.view); requests for several models take turns, each model's executors weighed once
+# queue, KV pages used, free) by id, [the exclude set of the walk that set entries aside, its size then, those
+# entries])}]: one state is routed on at a time, and what was sent only grows while it is the same mapping
+# (Unreported.view); requests for several models take turns, each model's executors weighed once
 _order_cache: list = [None, None, {}]
 
 
-def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> tuple[list, dict[str, tuple]]:
+def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> tuple[list, dict[str, tuple], list]:
     if _order_cache[0] is not state or _order_cache[1] is not sent:
         _order_cache[:] = [state, sent, {}]
     by_model = _order_cache[2]
@@ -147,7 +154,7 @@ def _loads(state: ClusterState | None, model: str, sent: Mapping[str, Sent]) -> 
         heap = [(_weigh(*r, name, now), now) for name, r in reported.items()
                 for now in [sent.get(name, NOTHING_SENT)]]
         heapq.heapify(heap)
-        by_model[model] = heap, reported
+        by_model[model] = heap, reported, [None, 0, []]
     return by_model[model]
 
 

@@ -176,3 +176,30 @@ def test_a_state_routed_on_request_after_request_picks_what_weighing_every_execu
             sent.refused(chosen, float(t + 1))
         elif chosen is not None:
             sent.add(chosen, float(t + 1), pages)
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),
+       st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 30)), min_size=1, max_size=40))
+def test_requests_walking_past_refusers_in_turn_each_get_the_least_loaded_they_have_not_tried(executors, steps):
+    """Three requests' retry walks interleave (as the gateway's admissions do, each awaiting a reply): each call
+    passes its request's own set of executors tried so far, grown by one each time, and gets the least loaded of
+    those it has not tried, as weighing every executor would pick; a request that found none starts again."""
+    from services.gateway.router import NOTHING_SENT, kv_in_use
+    s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
+                for i, (free, waiting, suspect) in enumerate(executors)))
+    sent, tried = Unreported(), [set(), set(), set()]
+    for t, (walker, refuses, pages) in enumerate(steps):
+        exclude, view = tried[walker], sent.view()
+        expected = min(((e.suspect, (v := view.get(e.executor, NOTHING_SENT)).full, e.telemetry.waiting + v.requests,
+                         kv_in_use(e, v.pages), e.executor) for e in s.executors if e.executor not in exclude),
+                       default=(None,))[-1]
+        chosen = choose_executor(s, exclude, "m", unreported=view)
+        assert chosen == expected
+        if chosen is None:
+            tried[walker] = set()
+        elif refuses:
+            sent.refused(chosen, float(t + 1))
+            exclude.add(chosen)
+        else:
+            sent.add(chosen, float(t + 1), pages)
+            tried[walker] = set()

@@ -10,9 +10,10 @@ sequence, the ones whose token opens a block taking a page in the batch's order,
 third rule admits (Scheduler.admit, the scheduler's own). That is this step, built in one pass over the batch
 and timed from its phases (costs.phased_step_seconds); the executor's finish_step ends its decodes in one more.
 
-Exactly the step the scheduler would make, to the page id and the float: tests/unit/test_decode_runs.py replays
-single steps of the scheduler beside it. As there, no simulated sequence forks, so no block is shared and a
-decode's pages are the block its token opens, or none.
+Exactly the step the scheduler would make, to the page id and the float: tests/unit/test_decode_step.py holds it
+to the scheduler's step on the same state, and tests/unit/test_decode_runs.py replays single steps beside it. As
+there, no simulated sequence forks, so no block is shared and a decode's pages are the block its token opens, or
+none.
 """
 
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ class DecodeStep:
     decodes: list[Sequence]  # every running sequence, in the batch's order: one token each
     context: int  # the sum of their contexts, the token of this step included (costs.phases)
     admitted: SchedulerOutput  # the chunks of the waiting sequences admitted into the step
+
+    def phases(self) -> tuple[int, int, list[int]]:
+        """costs.phases of the step: its decodes and their contexts, then its admissions, every one a prefill
+        chunk (a waiting sequence starts again from its first token)."""
+        return len(self.decodes), self.context, [c.length for c in self.admitted.chunks]
 
 
 def plan_step(scheduler: Scheduler, blocks: BlockManager) -> DecodeStep | None:

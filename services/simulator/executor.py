@@ -239,8 +239,7 @@ class SimExecutor(MemberArena):
             if self.group is None or self.group.phased_step_seconds:
                 step = decode_step.plan_step(self.scheduler, self.blocks)
         if step is not None:
-            self.decoding, out = step.decodes, step.admitted
-            phases = (len(step.decodes), step.context, [c.length for c in out.chunks])
+            self.decoding, out, phases = step.decodes, step.admitted, step.phases()
         else:
             out, phases = self.scheduler.schedule(), None
             if not out.chunks:

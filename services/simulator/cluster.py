@@ -80,7 +80,7 @@ class SimSettings:
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
     spare: bool = False  # instances of two, every layer on the first (bench/modes.py's spare plan)
     # decode-only batches advanced many steps at once (decode_run.py), a batch of decodes with its admissions
-    # stepped in one pass (decode_step.py): the same results as the scheduler's single steps, faster
+    # stepped as a batch (decode_batch.py): the same results as the scheduler's single steps, faster
     decode_runs: bool = True
 
 
@@ -148,6 +148,8 @@ class Simulation:
         self.now = 0.0
         self._heap: list = []
         self._order = itertools.count()
+        self._rank = {name: rank for rank, name in enumerate(self.executors)}  # simultaneous step ends: in this order
+        self._others = len(self._rank)  # what comes at an instant after every step end
         self._stepping: set[str] = set()
         self._blocked: set[str] = set()  # applying commands: no step starts
         self._inbox: dict[str, list[tuple[float, PlannedCommand]]] = {}
@@ -198,12 +200,15 @@ class Simulation:
 
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:
-        heapq.heappush(self._heap, (t, 1, next(self._order), handler, args))
+        heapq.heappush(self._heap, (t, self._others, next(self._order), handler, args))
 
     def _step_ends_at(self, t: float, name: str, serial: int) -> None:
         """A step's end comes before anything else at the same instant: a decode run's steps have ended by the
-        time their end comes (`DecodeRun.begun_by`), so single steps must have too, or a tie tells them apart."""
-        heapq.heappush(self._heap, (t, 0, next(self._order), self._step_end, (name, serial)))
+        time their end comes (`DecodeRun.begun_by`), so single steps must have too, or a tie tells them apart.
+        Several executors' ends at one instant all end first (`_step_end`), then are followed up in the executors'
+        order, not in the order they were planned in: a run plans its end many steps ahead, so that order would
+        differ from single steps'."""
+        heapq.heappush(self._heap, (t, self._rank[name], next(self._order), self._step_end, (name, serial)))
 
     def run(self, arrivals: list[TraceRequest]) -> SimRun:
         """Replay one window's arrivals from now on: on a fresh cluster, or on the one an earlier window and a
@@ -291,7 +296,8 @@ class Simulation:
                 self.merges.make_room(request)
                 return
             self.unreported.add(name, self.now, prompt_pages(request.prompt_tokens, self.fleet.engine.block_size))
-            self._cut(name)
+            if len(self.executors[name].scheduler.waiting) == 1:  # a run is planned only where the head cannot join
+                self._cut(name)
             self._kick(name)
             return
         self.fail(request, "no executor could take it (queues full or none serving)")
@@ -335,13 +341,19 @@ class Simulation:
             self._step_ends_at(ends, name, executor.step_serial)
 
     def _step_end(self, name: str, serial: int) -> None:
-        if serial != self.executors[name].step_serial:
-            return  # a decode run's end that a cut brought forward
-        self._stepping.discard(name)
-        for request in self.executors[name].finish_step(self.now):
-            self._open.discard(request.index)
-        self._after_pressure(name)
-        self._take_next(name)
+        """Every step ending now ends before any of them is followed up (a report, the next step): what one
+        executor's report publishes reads the others, and a decode run's steps have ended by their end."""
+        ends = [(name, serial)]
+        while self._heap and self._heap[0][0] == self.now and self._heap[0][1] < self._others:
+            ends.append(heapq.heappop(self._heap)[4])
+        ended = [name for name, serial in ends if serial == self.executors[name].step_serial]  # else cut earlier
+        for name in ended:
+            self._stepping.discard(name)
+            for request in self.executors[name].finish_step(self.now):
+                self._open.discard(request.index)
+        for name in ended:
+            self._after_pressure(name)
+            self._take_next(name)
 
     def _take_next(self, name: str) -> None:
         """Free again (a step ended, commands applied): the commands delivered meanwhile first, else a step."""

@@ -64,7 +64,7 @@ def step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], chunks: Sequence
 
 def phased_step_seconds(spec: ExecutorSpec, layer_bits: Sequence[int], decodes: int, context: int,
                         prefills: list[int]) -> float:
-    """step_seconds of a step given as its phases (`phases`): a decode step's (decode_step.py) without chunks."""
+    """step_seconds of a step given as its phases (`phases`): a decode batch's (decode_batch.py), without chunks."""
     seconds = sum(layers * phase_seconds(spec, bits, decodes, context, prefills)
                   for bits, layers in bits_count(layer_bits))
     return seconds + spec.overhead.at(decodes + sum(prefills))

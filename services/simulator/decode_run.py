@@ -17,6 +17,10 @@ An instance's leader runs too (CoCoServe's placements and replicas, a TP merge):
 instance's step model with its replicas' assignment, and marks the other members busy for their parts as it
 begins. The members step nothing of their own: a request that reaches one is refused (executor.py, `admit`).
 
+A decode batch (decode_batch.py) runs the same way without a walk over its sequences (`plan_batch_run`): it
+knows where each member opens a block and ends, so its run is planned from those, its steps settled by the
+batch's own (`DecodeBatch.open_blocks`, `end_step`), its tokens written when anything reads its sequences.
+
 Simulated sequences never fork (every request is n=1), so no block is shared and copy-on-write cannot arise:
 a decode's pages are the block its next token opens, or none.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
+from services.simulator.decode_batch import DecodeBatch
 
 MAX_RUN_STEPS = 64  # what a cut may throw away: the steps past it are timed for nothing
 
@@ -40,6 +45,8 @@ class DecodeRun:
     ends: list[float]  # each step's end; a step begins where the one before it ended
     parts: list[dict[str, float]]  # in an instance of several executors: each member's computing seconds a step
     pages: list[tuple[int, int]]  # (step, the sequence's index): a decode that opens a block, in allocation order
+    batch: DecodeBatch | None = None  # a decode batch's run: its steps are the batch's from `tick` on, no pages here
+    tick: int = 0
     started: int = 0  # steps whose pages are reserved and whose busy span has begun
     finished: int = 0  # steps whose tokens are out
     reserved: int = 0  # of `pages`
@@ -65,13 +72,19 @@ class DecodeRun:
         return True
 
 
+def head_joins(scheduler: Scheduler) -> bool:
+    """Whether the waiting queue's head fits the batch's cap: the next step admits it where pages allow."""
+    waiting = scheduler.waiting
+    return bool(waiting) and len(scheduler.running) + waiting[0].fork_into <= scheduler.max_num_seqs
+
+
 def steady(scheduler: Scheduler) -> bool:
     """Whether the scheduler's next step is every running sequence decoding one token and nothing else: none
     in prefill, none waiting that a free slot would let in, the batch inside the step's token budget."""
     running = scheduler.running
     if not running or len(running) > scheduler.max_num_batched_tokens:
         return False
-    if scheduler.waiting and len(running) + scheduler.waiting[0].fork_into <= scheduler.max_num_seqs:
+    if head_joins(scheduler):
         return False
     return all(seq.status is Status.RUNNING and seq.num_uncomputed == 1 and seq.output_ids for seq in running)
 
@@ -107,3 +120,34 @@ def plan_run(scheduler: Scheduler, blocks: BlockManager, max_model_len: int, now
         ends.append(t)
         parts.append(part)
     return DecodeRun(seqs, base, now, ends, parts, pages)
+
+
+def plan_batch_run(batch: DecodeBatch, now: float,
+                   timing: Callable[[int, int], Callable[[int], tuple[float, dict[str, float]]]]) -> DecodeRun | None:
+    """plan_run for a decode batch (decode_batch.py), from what it keeps of its members rather than a walk over
+    them: a member opens a block every block_size steps, at a step within block_size of the batch's, so the pages
+    a run's steps take repeat with that period.
+
+    `timing(batch, contexts)(step)`: the seconds of the run's step-th step of `batch` sequences whose contexts
+    summed `contexts` at its first, and the members' parts of it in an instance (executor.py, `_batch_timing`)."""
+    scheduler = batch.scheduler
+    if not batch.decodes_all() or head_joins(scheduler):
+        return None
+    t, size, n = batch.tick, batch.blocks.block_size, len(batch.marks)
+    steps = min(MAX_RUN_STEPS, batch.end_ticks[0] - t + 1)
+    opening = [len(batch.opening(t + step)) for step in range(min(size, steps))]
+    free = batch.blocks.ledger.num_free
+    for step in range(steps):
+        free -= opening[step % size]
+        if free < 0:  # the scheduler would preempt in that step: the run stops before it
+            steps = step
+            break
+    if steps < 1:
+        return None
+    step_seconds, ends, parts, end = timing(n, batch.offset + n * (t + 1)), [], [], now
+    for step in range(steps):
+        seconds, part = step_seconds(step)
+        end += seconds
+        ends.append(end)
+        parts.append(part)
+    return DecodeRun([], [], now, ends, parts, [], batch, t)

@@ -10,7 +10,8 @@ and quantizing a layer releases its slot's tail as KV pages, restoring moves liv
 what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
 max_tokens, as the bench asks with ignore_eos). A batch that only decodes runs many steps as one (decode_run.py):
 `settle` brings it to whatever reads the executor, `cut` ends it where the next step would schedule otherwise.
-A batch of decodes that admits waiting sequences beside them is stepped in one pass over it (decode_step.py).
+A batch of decodes that admits waiting sequences beside them is stepped without touching each sequence each step
+(decode_batch.py): `release_batch` writes its tokens before anything else reads or changes the sequences.
 
 Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
 that the monitor and the controller read a simulated executor exactly as a real one, with what the service
@@ -38,7 +39,8 @@ from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
-from services.simulator import costs, decode_run, decode_step
+from services.simulator import costs, decode_run
+from services.simulator.decode_batch import DecodeBatch
 from services.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
 from services.simulator.instance import SimulatedRefusal, swap
 from services.simulator.member import MemberArena
@@ -120,7 +122,7 @@ class SimExecutor(MemberArena):
                  layout: ModelShape | None = None, starts_in_instance: bool = False):
         """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
         holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
-        (decode_run.py), and step a batch of decodes with its admissions in one pass (decode_step.py); without,
+        (decode_run.py), and step a batch of decodes with its admissions as a batch (decode_batch.py); without,
         the scheduler schedules every step (the same results, slower). `arenas`: empty
         arenas laid out before, shared by a fleet's executors (`_lay_out`). `layout`: the layers its arena
         holds, a TP member's shard of them (tp.member_shape); the model's by default. `starts_in_instance`: a
@@ -149,12 +151,16 @@ class SimExecutor(MemberArena):
         self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
         self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
         self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
-        self.requests: dict[str, SimRequest] = {}
+        self.requests: dict[str, SimRequest] = {}  # those running or waiting: the scheduler's sequences, by id
+        self.longest: int | None = 0  # the most tokens one of `requests` ends with; None: to count again
         self.cancelled: set[str] = set()  # given up by their clients during the step running
         self.rejected = 0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
         self.stepping: SchedulerOutput | None = None
-        self.decoding: list[Sequence] = []  # a decode step's decodes (decode_step.py), outside `stepping`'s chunks
+        self.decoding: list[Sequence] = []  # a run's last step's decodes, outside `stepping`'s chunks
+        self.batch: DecodeBatch | None = None  # its running sequences stepped as a batch (decode_batch.py)
+        self.batched = False  # whether the step running is the batch's
+        self.batch_mix = (0, 0)  # the (INT8, INT4) layers the batch's tokens came from: commands release it first
         self.decode_runs = decode_runs
         self.run: decode_run.DecodeRun | None = None  # steps ahead of a decode-only batch, settled lazily
         self.step_serial = 0  # which step or run the cluster's next step end is for: a cut moves it on
@@ -225,23 +231,31 @@ class SimExecutor(MemberArena):
             raise
         request.executor, request.admitted_s = self.id, now
         self.requests[seq.request_id] = request
+        if self.longest is not None:
+            self.longest = max(self.longest, request.prompt_tokens + request.output_tokens)
 
     def start_step(self, now: float) -> float | None:
-        """Schedule the next step, a run of decode steps (decode_run.py) or a decode step (decode_step.py); when it
-        ends, or None when there is nothing to run."""
-        step = None
+        """Schedule the next step, a run of decode steps (decode_run.py) or a decode batch's step (decode_batch.py);
+        when it ends, or None when there is nothing to run."""
+        phases = None
         if self.decode_runs and self.leads:
-            self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
+            if self.batch is None and (self.group is None or self.group.phased_step_seconds):
+                self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written)
+                self.batch_mix = (self.layer_bits.count(8), self.layer_bits.count(4))
+            if self.batch is not None:
+                self.run = decode_run.plan_batch_run(self.batch, now, self._batch_timing)
+            else:
+                self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
                 self.settle(now)
                 return self.run.ends[-1]
-            if self.group is None or self.group.phased_step_seconds:
-                step = decode_step.plan_step(self.scheduler, self.blocks)
-        if step is not None:
-            self.decoding, out, phases = step.decodes, step.admitted, step.phases()
-        else:
-            out, phases = self.scheduler.schedule(), None
+            if self.batch is not None and (planned := self.batch.step()) is not None:
+                phases, out = planned
+        self.batched = phases is not None
+        if not self.batched:
+            self.release_batch()
+            out = self.scheduler.schedule()
             if not out.chunks:
                 return None
         self.step_serial += 1
@@ -249,9 +263,25 @@ class SimExecutor(MemberArena):
         self.busy.begin(now)
         return now + self._step_seconds(now, out, phases)
 
+    def release_batch(self) -> list[Sequence]:
+        """Write back every token the decode batch holds and drop it, before anything but its own steps reads or
+        changes its sequences: its members, in the batch's order."""
+        if self.batch is None:
+            return []
+        members, self.batch = self.batch.write_all(), None
+        return members
+
+    def _written(self, seq: Sequence, tokens: int, last_s: float) -> None:
+        """The decode batch wrote `tokens` of `seq`'s, the last at `last_s`: its request's record of them."""
+        request = self.requests[seq.request_id]
+        request.tokens += tokens
+        bits = request.token_bits
+        bits[self.batch_mix] = bits.get(self.batch_mix, 0) + tokens
+        request.last_token_s = last_s
+
     def _step_seconds(self, now: float, out: SchedulerOutput, phases: tuple | None) -> float:
-        """The step `out` beginning `now`, or a decode step of `phases` (costs.phases) with `out` its admissions: its
-        seconds, its instance's other members marked busy for their parts."""
+        """The step `out` beginning `now`, or a decode batch's step of `phases` (costs.phases) with `out` its
+        admissions: its seconds, its instance's other members marked busy for their parts."""
         if self.group is None:
             return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
                     else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
@@ -271,10 +301,16 @@ class SimExecutor(MemberArena):
     def _run_timing(self, seqs: list[Sequence], base: list[int]):
         """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""
         if self.group is None:
-            batch, contexts = len(seqs), sum(base) + len(seqs)
+            return self._batch_timing(len(seqs), sum(base) + len(seqs))
+        return self.group.decode_timing(seqs, base)
+
+    def _batch_timing(self, batch: int, contexts: int):
+        """A decode batch's run (decode_run.plan_batch_run): `batch` decodes whose contexts summed `contexts` at its
+        first step."""
+        if self.group is None:
             seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
-        return self.group.decode_timing(seqs, base)
+        return self.group.batch_timing(batch, contexts)
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have
@@ -284,6 +320,10 @@ class SimExecutor(MemberArena):
             return
         ended, began = run.finished, run.started
         started = max(began, run.begun_by(now))
+        if run.batch is not None:
+            for step in range(began, started):
+                self._end_batch_steps(run, step)  # each step before it ended where it began
+                run.batch.open_blocks()
         while run.reserved < len(run.pages) and run.pages[run.reserved][0] < started:
             step, i = run.pages[run.reserved]
             self.blocks.reserve(run.seqs[i], run.base[i] + step + 1)
@@ -298,6 +338,10 @@ class SimExecutor(MemberArena):
         self.busy.back_to_back(run.ends[ended:run.finished])
         if (steps := run.finished - ended) == 0:
             return
+        if run.batch is not None:
+            self._end_batch_steps(run, run.finished)
+            self.counts["generated_tokens"] += steps * len(run.batch.marks)
+            return
         mix, tokens = (self.layer_bits.count(8), self.layer_bits.count(4)), [0] * steps
         last = run.ends[run.finished - 1]
         for seq in run.seqs:
@@ -308,6 +352,16 @@ class SimExecutor(MemberArena):
             request.token_bits[mix] = request.token_bits.get(mix, 0) + steps
             request.last_token_s = last
         self.counts["generated_tokens"] += steps * len(run.seqs)
+
+    @staticmethod
+    def _end_batch_steps(run: decode_run.DecodeRun, upto: int) -> None:
+        """A decode batch's run: its steps before the `upto`-th ended. Nobody ends in one but the run's last, which
+        finish_step ends."""
+        batch = run.batch
+        while batch.tick < run.tick + upto:
+            if batch.end_step(run.ends[batch.tick - run.tick]):
+                raise RuntimeError(f"a decode batch's run ended a member at step {batch.tick - run.tick} of "
+                                   f"{len(run.ends)}: runs end at their first member's last token")
 
     def cut(self, now: float) -> float | None:
         """Something changed what the next step would schedule: a decode run ends with the step in flight at `now`.
@@ -322,21 +376,31 @@ class SimExecutor(MemberArena):
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
-        if (run := self.run) is not None:  # every step but its last settled, and that one finished as a decode step
+        if (run := self.run) is not None:  # every step but its last settled; that one ends below
             self.settle(now)
             self.run, self.stepping, self.decoding = None, SchedulerOutput(), run.seqs
             self.step_started_s = run.start_of(len(run.ends) - 1)
+            self.batched = run.batch is not None
         out, self.stepping, decoding, self.decoding = self.stepping, None, self.decoding, []
+        batch, self.batched = self.batch if self.batched else None, False
         self.busy.end(now)
         done = []
         mix = (self.layer_bits.count(8), self.layer_bits.count(4))
         if self.cancelled:
+            if batch is not None:  # a cancelled sequence takes no more tokens: this step's go one by one below
+                decoding, batch = self.release_batch(), None
             out.chunks = [c for c in out.chunks if c.seq.request_id not in self.cancelled]
             decoding = [seq for seq in decoding if seq.request_id not in self.cancelled]
             self._drop_cancelled()
         # At a thousand executors these loops run for every sequence of every step: counts are summed locally.
         requests, started, max_model_len = self.requests, self.step_started_s, self.max_model_len
-        for seq in decoding:  # a decode step's decodes: what the loop below does to a decode's chunk
+        generated = len(decoding)
+        if batch is not None:
+            generated += len(batch.marks)
+            for seq in batch.end_step(now):
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+        for seq in decoding:  # a run's last step's decodes: what the loop below does to a decode's chunk
             request = requests[seq.request_id]
             seq.num_computed += 1
             outputs = seq.output_ids
@@ -348,7 +412,7 @@ class SimExecutor(MemberArena):
             if len(outputs) >= seq.params.max_tokens or len(seq.prompt_ids) + len(outputs) >= max_model_len:
                 self.scheduler.remove(seq)
                 done.append(self._finish(seq.request_id, now))
-        prompt_tokens, generated = 0, len(decoding)
+        prompt_tokens = 0
         for chunk in out.chunks:
             seq, start, length = chunk.seq, chunk.start, chunk.length
             request = requests[seq.request_id]
@@ -375,6 +439,10 @@ class SimExecutor(MemberArena):
             if len(outputs) >= seq.params.max_tokens or prompt + len(outputs) >= max_model_len:
                 self.scheduler.remove(seq)
                 done.append(self._finish(seq.request_id, now))
+            elif batch is not None:  # its prompt is in: it decodes with the batch from the next step
+                batch.join(seq)
+        if batch is not None and len(batch.marks) != len(self.scheduler.running):  # a prompt still going in
+            self.release_batch()
         self.counts["prompt_tokens"] += prompt_tokens
         self.counts["generated_tokens"] += generated
         return done
@@ -385,17 +453,20 @@ class SimExecutor(MemberArena):
         self.cancelled.add(request_id)
         if self.stepping is None and self.run is None:
             self._drop_cancelled()
+        elif self.batch is not None:  # its tokens so far, recorded now as single steps would have them
+            self.batch.write_all()
 
     def _drop_cancelled(self) -> None:
+        self.release_batch()
         for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in self.cancelled]:
             self.scheduler.remove(seq)
-            self.requests.pop(seq.request_id)
+            self._forget(self.requests.pop(seq.request_id))
             if self.group is not None:
                 self.group.forget(seq.request_id)
         self.cancelled.clear()
 
     def _finish(self, request_id: str, now: float, error: str | None = None) -> SimRequest:
-        request = self.requests.pop(request_id)
+        request = self._forget(self.requests.pop(request_id))
         if self.group is not None:
             self.group.forget(request_id)
         request.done_s, request.error = now, error
@@ -407,10 +478,25 @@ class SimExecutor(MemberArena):
             self.finished.add(request.first_token_s - request.admitted_s, tpot or 0.0)
         return request
 
+    def _pages_growth(self) -> int:
+        """pages_growth of the running sequences: a decode batch's members' as it counts them (between its steps
+        they are all that run; during one, those it admits follow them)."""
+        running = self.scheduler.running
+        if self.batch is None:
+            return pages_growth(running, self.blocks, self.max_model_len)
+        return self.batch.growth + pages_growth(running[len(self.batch.marks):], self.blocks, self.max_model_len)
+
+    def _forget(self, request: SimRequest) -> SimRequest:
+        """`request` has left: the longest may have been it."""
+        if request.prompt_tokens + request.output_tokens == self.longest:
+            self.longest = None
+        return request
+
     # --- morphing ---------------------------------------------------------------------------------
     def apply(self, args: CommandArgs) -> tuple[dict, float]:
         """Apply a command between two steps: (the result's state, the seconds it took). Refuses with
         SimulatedRefusal, changing nothing, as the executor would (services/executor/service.py)."""
+        self.release_batch()  # its tokens were of the layers' bits until now, and the sequences may move
         if self.group is not None and self.group.plan.leader != self.id:
             raise SimulatedRefusal(f"{args.kind} refused: {self.id} is a member of instance {self.group.plan.id}, "
                                    f"which morphs as a whole: send it to its leader {self.group.plan.leader}")
@@ -493,10 +579,13 @@ class SimExecutor(MemberArena):
     def telemetry(self, now: float) -> ExecutorTelemetry:
         (self if self.group is None else self.group.leader).settle(now)  # a member's busy spans are the leader's
         leads = self.leads
-        waiting = [*self.scheduler.running, *self.scheduler.waiting] if leads else []
         snap = self.ledger.snapshot()
-        # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once.
-        longest = max((len(s.prompt_ids) + s.params.max_tokens for s in waiting), default=0)
+        # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once;
+        # counted again only when the longest leaves (over a queue of a thousand, ten times a second, it was a tenth
+        # of a saturated fleet's time)
+        if self.longest is None:
+            self.longest = max((r.prompt_tokens + r.output_tokens for r in self.requests.values()), default=0)
+        longest = self.longest if leads else 0
         return unvalidated(
             ExecutorTelemetry, executor=self.id, instance=self.instance, time=now, model=self.shape.name,
             max_model_len=self.max_model_len, block_size=self.limits.block_size, page_bytes=self.page_bytes,
@@ -512,6 +601,6 @@ class SimExecutor(MemberArena):
             prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
             queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
             max_num_seqs=self.scheduler.max_num_seqs if leads else 0, requests=self.finished.drain(),
-            pages_growth=pages_growth(self.scheduler.running, self.blocks, self.max_model_len),
+            pages_growth=self._pages_growth(),
             busy=self.busy.share(now),
             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads)

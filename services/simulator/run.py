@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="instead, a `morphling bench-amoebas` JSON: the fleet's predicted steps alone and merged TP2 "
                          "against the ones it measured (written to tp_steps.json in --out)")
     ap.add_argument("--single-steps", action="store_true",
-                    help="the scheduler schedules every step alone, no decode runs or decode steps (the same "
+                    help="the scheduler schedules every step alone, no decode runs or decode batches (the same "
                          "results, slower: to compare)")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)

@@ -121,6 +121,7 @@ class SimTpInstance:
             if member is not self.leader:
                 self.leader.requests.update(member.requests)
                 member.requests.clear()
+                member.longest = self.leader.longest = None
         self.scheduler.waiting = type(self.scheduler.waiting)(sorted(self.scheduler.waiting,
                                                                      key=lambda s: s.arrival_time))
         for member in members.values():
@@ -158,7 +159,7 @@ class SimTpInstance:
         return self.phased_step_seconds(*costs.phases(chunks))
 
     def phased_step_seconds(self, decodes: int, context: int, prefills: list[int]) -> tuple[float, dict[str, float]]:
-        """step_seconds of a step given as its phases (costs.phases): a decode step's (decode_step.py)."""
+        """step_seconds of a step given as its phases (costs.phases): a decode batch's (decode_batch.py)."""
         spec, k, tokens = self.leader.spec, self.plan.tp, decodes + sum(prefills)
         reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, tokens))
         seconds = sum(layers * (costs.phase_seconds(spec, bits, decodes, context, prefills) / k + 2 * reduce)
@@ -168,13 +169,18 @@ class SimTpInstance:
 
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
         """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens computed
-        plus `step`: the same sums in the same order, to the float, by the mean context alone (building each step's
+        plus `step`."""
+        return self.batch_timing(len(seqs), sum(base) + len(seqs))
+
+    def batch_timing(self, batch: int, contexts: int) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """step_seconds of a decode run's step-th step of `batch` sequences whose contexts summed `contexts` at its
+        first: the same sums in the same order, to the float, by the mean context alone (building each step's
         chunks was most of a thousand-executor 70B fleet's steps)."""
-        spec, k, batch = self.leader.spec, self.plan.tp, len(seqs)
+        spec, k = self.leader.spec, self.plan.tp
         reduce = costs.all_reduce_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, batch))
         lines = [(layers, spec.latency.decode_line(bits, batch))
                  for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers])]
-        overhead, contexts = spec.overhead.at(batch), sum(base) + batch
+        overhead = spec.overhead.at(batch)
 
         def timing(step: int) -> tuple[float, dict[str, float]]:
             context = int((contexts + batch * step) / batch)
@@ -207,6 +213,7 @@ class SimTpInstance:
                 (scheduler.running if id(seq) in running else scheduler.waiting).append(seq)
                 if member is not self.leader:
                     member.requests[seq.request_id] = self.leader.requests.pop(seq.request_id)
+                    member.longest = self.leader.longest = None
             member.scheduler, member.blocks = scheduler, blocks
             member.group, member.plan = None, alone(name, len(self.plan.layers), self.plan.layers[0].bits)
             member.hold_until = 0.0
@@ -232,6 +239,8 @@ def merge(members: dict, args: TpMergeArgs, now: float) -> tuple[SimTpInstance, 
                                      f"({member.world})")
     tp = len(names)
     leader = members[names[0]]
+    for name in names:  # the sequences move to the leader's instance
+        members[name].release_batch()
     units = tuple(Member(n, {u.tp: u.units for u in members[n].kv_units()}) for n in names)
     blocks = capacity(units, leader.shape.num_kv_heads)
     live = sum(members[n].ledger.snapshot().pages_kv_used for n in names)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.bench.trace import TraceRequest
+from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.executor.engine.scheduling.sequence import Sequence
 from services.simulator import costs, decode_run
@@ -120,6 +121,33 @@ def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, flee
     fleet = read_fleet(write_fleet(tmp_path, kv_pages, count, hop_s=2e-4))
     runs, single = runs_and_single_steps(fleet, arrivals, levers, drain_s)
     assert runs == single
+
+
+class Checked(Recorded):
+    """Holds every report's longest_blocks and pages_growth to what the executor's scheduler holds, counted there."""
+
+    def _build_report(self, name: str):
+        executor = self.executors[name]
+        scheduler = executor.scheduler
+        longest = max((len(s.prompt_ids) + s.params.max_tokens for s in (*scheduler.running, *scheduler.waiting)),
+                      default=0) if executor.leads else 0
+        built = super()._build_report(name)
+        assert executor.longest is not None and (executor.longest if executor.leads else 0) == longest
+        assert executor._pages_growth() == pages_growth(scheduler.running, executor.blocks, executor.max_model_len)
+        return built
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=requests, fleet=fleets())
+def test_what_a_report_counts_as_it_goes_is_what_the_scheduler_holds(tmp_path, arrivals, fleet):
+    """The executor counts its longest sequence again only when the longest leaves, and a decode batch its
+    members' pages to come as they open blocks and end: through finishes, the drain's cancels, a merge and its
+    split, a CoCoServe instance's leader, a report's are those of the sequences its scheduler holds."""
+    count, kv_pages, levers = fleet
+    settings = SimSettings(controller=LEVERS[levers], drain_s=0.5, spare=levers == "cocoserve")
+    sim = Checked(read_fleet(write_fleet(tmp_path, kv_pages, count, hop_s=2e-4)), settings)
+    sim.run(arrivals)
+    assert sim.states
 
 
 def test_a_lone_decode_batch_is_one_event_until_its_first_sequence_finishes(tmp_path):

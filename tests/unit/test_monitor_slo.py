@@ -1,13 +1,15 @@
 """The monitor's SLO windows without a bus or a clock: violation rates and nearest-rank percentiles over the
 requests finished in the last window, and the flags that set the SLOs."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services import up
 from services.monitor import service as monitor_service
-from services.monitor.slo import SloTracker, nearest_rank
+from services.monitor.slo import SloTracker, _window, nearest_rank
 from shared.config import MonitorConfig
 from shared.messages import RequestLatency, SloWindow
 
@@ -87,6 +89,34 @@ def test_the_window_is_exactly_the_recent_samples(ops):
             assert window.tpot_p50_s <= window.tpot_p95_s
         else:
             assert window.tpot_p50_s == window.tpot_p95_s == 0.0
+
+
+latencies = st.one_of(*[st.floats(min_value=0.0, max_value=5.0)] * 3,  # a tie, infinity, a non-number now and then
+                      st.sampled_from([0.0, 0.1, math.inf, math.nan]))
+mixed = st.lists(st.tuples(st.sampled_from(["add", "look", "look back"]), st.floats(min_value=0.0, max_value=4.0),
+                           st.lists(st.tuples(latencies, latencies), max_size=6)), max_size=40)
+
+
+@settings(max_examples=500, deadline=None)
+@given(mixed)
+def test_the_window_kept_in_order_is_the_window_sorted_afresh(ops):
+    """The tracker keeps its latencies in order as samples come and go; its window is the one sorting the
+    samples inside gives, ties, infinities and latencies that are not numbers (which no order holds) included,
+    and for a look back at a time some samples came after."""
+    tracker = SloTracker(2.0, 0.15, 10.0)
+    arrived: list[tuple[float, RequestLatency]] = []
+    clock = latest = 0.0  # the clock samples arrive by; the latest time the window was asked for
+    for op, dt, batch in ops:
+        if op == "add":
+            clock += dt
+            batch = [latency(t, p) for t, p in batch]
+            tracker.add(batch, clock)
+            arrived += [(clock, s) for s in batch]
+            continue
+        at = clock - dt if op == "look back" else clock + dt
+        latest = max(latest, at)  # a window forgets what has left it for good
+        inside = [s for arrival, s in arrived if arrival <= at and latest - arrival <= 10.0]
+        assert tracker.window(at) == _window(inside, 2.0, 0.15)
 
 
 # --- the flags ----------------------------------------------------------------------------------------

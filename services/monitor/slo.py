@@ -62,17 +62,24 @@ class SloTracker:
 
     def _count(self, s: RequestLatency, sign: int) -> None:
         """`s` into the window's counts (`sign` +1) or out of them (-1)."""
-        self._violations += sign * (s.ttft_s > self.ttft_s or s.tpot_s > self.tpot_s)
+        self._violations += sign * _violates(s, self.ttft_s, self.tpot_s)
         if math.isnan(s.ttft_s) or math.isnan(s.tpot_s):
             self._unordered += sign
             return
-        for ordered, value in ((self._ttft, s.ttft_s), (self._tpot, s.tpot_s if s.tpot_s > 0 else None)):
-            if value is None:
-                continue
-            if sign > 0:
-                insort(ordered, value)
-            else:
-                del ordered[bisect_left(ordered, value)]
+        _place(self._ttft, s.ttft_s, sign)
+        if s.tpot_s > 0:
+            _place(self._tpot, s.tpot_s, sign)
+
+
+def _place(ordered: list[float], value: float, sign: int) -> None:
+    if sign > 0:
+        insort(ordered, value)
+    else:
+        del ordered[bisect_left(ordered, value)]
+
+
+def _violates(s: RequestLatency, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    return s.ttft_s > slo_ttft_s or s.tpot_s > slo_tpot_s
 
 
 def _ordered_window(requests: int, violations: int, ttft: list[float], tpot: list[float]) -> SloWindow:
@@ -85,11 +92,5 @@ def _ordered_window(requests: int, violations: int, ttft: list[float], tpot: lis
 
 
 def _window(inside: list[RequestLatency], slo_ttft_s: float, slo_tpot_s: float) -> SloWindow:
-    if not inside:
-        return SloWindow()
-    violations = sum(1 for s in inside if s.ttft_s > slo_ttft_s or s.tpot_s > slo_tpot_s)
-    ttft = sorted(s.ttft_s for s in inside)
-    tpot = sorted(s.tpot_s for s in inside if s.tpot_s > 0)
-    return SloWindow(requests=len(inside), violation_rate=violations / len(inside),
-                     ttft_p50_s=nearest_rank(ttft, 50), ttft_p95_s=nearest_rank(ttft, 95),
-                     tpot_p50_s=nearest_rank(tpot, 50), tpot_p95_s=nearest_rank(tpot, 95))
+    return _ordered_window(len(inside), sum(_violates(s, slo_ttft_s, slo_tpot_s) for s in inside),
+                           sorted(s.ttft_s for s in inside), sorted(s.tpot_s for s in inside if s.tpot_s > 0))

@@ -346,14 +346,14 @@ class Simulation:
         ends = [(name, serial)]
         while self._heap and self._heap[0][0] == self.now and self._heap[0][1] < self._others:
             ends.append(heapq.heappop(self._heap)[4])
-        ended = [name for name, serial in ends if serial == self.executors[name].step_serial]  # else cut earlier
-        for name in ended:
-            self._stepping.discard(name)
-            for request in self.executors[name].finish_step(self.now):
+        ended = [n for n, s in ends if s == self.executors[n].step_serial]  # the others were cut earlier
+        for n in ended:
+            self._stepping.discard(n)
+            for request in self.executors[n].finish_step(self.now):
                 self._open.discard(request.index)
-        for name in ended:
-            self._after_pressure(name)
-            self._take_next(name)
+        for n in ended:
+            self._after_pressure(n)
+            self._take_next(n)
 
     def _take_next(self, name: str) -> None:
         """Free again (a step ended, commands applied): the commands delivered meanwhile first, else a step."""

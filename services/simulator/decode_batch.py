@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Callable
 
 from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.growth import kv_end_of
+from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence, Status
 
@@ -131,8 +131,8 @@ class DecodeBatch:
         return done
 
     def _growth(self, seq: Sequence) -> int:
-        """pages_growth of `seq` alone: the blocks it ends holding past its table (its blocks are its own)."""
-        return max(0, -(-kv_end_of(seq, self.max_model_len) // self.blocks.block_size) - len(seq.block_table))
+        """pages_growth of `seq` alone: the members' sum is theirs together, as none shares a block."""
+        return pages_growth((seq,), self.blocks, self.max_model_len)
 
     def write(self, seq: Sequence) -> None:
         """`seq`'s tokens of the steps ended since they were last written, as single steps would have left it."""

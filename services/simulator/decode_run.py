@@ -113,13 +113,20 @@ def plan_run(scheduler: Scheduler, blocks: BlockManager, max_model_len: int, now
     if steps < 1:
         return None
     base = [s.num_computed for s in seqs]
-    step_seconds, ends, parts, t = timing(seqs, base), [], [], now
+    ends, parts = _timed(timing(seqs, base), steps, now)
+    return DecodeRun(seqs, base, now, ends, parts, pages)
+
+
+def _timed(step_seconds: Callable[[int], tuple[float, dict[str, float]]], steps: int, now: float
+           ) -> tuple[list[float], list[dict[str, float]]]:
+    """A run's `steps` steps from `now`, back to back: each one's end and its members' parts."""
+    ends, parts, end = [], [], now
     for step in range(steps):
         seconds, part = step_seconds(step)
-        t += seconds
-        ends.append(t)
+        end += seconds
+        ends.append(end)
         parts.append(part)
-    return DecodeRun(seqs, base, now, ends, parts, pages)
+    return ends, parts
 
 
 def plan_batch_run(batch: DecodeBatch, now: float,
@@ -144,10 +151,5 @@ def plan_batch_run(batch: DecodeBatch, now: float,
             break
     if steps < 1:
         return None
-    step_seconds, ends, parts, end = timing(n, batch.offset + n * (t + 1)), [], [], now
-    for step in range(steps):
-        seconds, part = step_seconds(step)
-        end += seconds
-        ends.append(end)
-        parts.append(part)
+    ends, parts = _timed(timing(n, batch.offset + n * (t + 1)), steps, now)
     return DecodeRun([], [], now, ends, parts, [], batch, t)

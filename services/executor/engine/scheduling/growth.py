@@ -20,7 +20,8 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
     growth = 0
     shared: dict[int, int] = {}  # page -> holders, for shared partly filled blocks the next write goes into
     for seq in running:
-        prompt, kv_end = len(seq.prompt_ids), kv_end_of(seq, max_model_len)
+        prompt = len(seq.prompt_ids)
+        kv_end = min(prompt + (seq.params.max_tokens or max_model_len), max_model_len) - 1
         end_blocks = -(-kv_end // size)
         if seq.fork_into > 1:
             prompt_blocks = -(-prompt // size)
@@ -36,8 +37,3 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
             if (holders := blocks.ledger.refcount(page)) > 1:
                 shared[page] = holders
     return growth + sum(holders - 1 for holders in shared.values())
-
-
-def kv_end_of(seq: Sequence, max_model_len: int) -> int:
-    """The positions whose KV `seq` holds when it ends: all of its tokens but the last."""
-    return min(len(seq.prompt_ids) + (seq.params.max_tokens or max_model_len), max_model_len) - 1

@@ -41,10 +41,9 @@ class BlockManager:
             self.ledger.decref(src)
             seq.block_table[shared] = dst
             copies.append((src, dst))
-        blocks = -(-upto // self.block_size)
-        while len(seq.block_table) < blocks:
-            fresh.append(self.ledger.allocate())
-            seq.block_table.append(fresh[-1])
+        if (count := -(-upto // self.block_size) - len(seq.block_table)) > 0:
+            fresh = self.ledger.allocate_many(count) if count > 1 else [self.ledger.allocate()]
+            seq.block_table += fresh
         return copies, fresh
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -13,10 +13,10 @@ block ids: a block exists only while every member has a page for it, so the ids 
 can hold now are withdrawn (absent) and come back when they can again (services/executor/fabric/reshape.py).
 """
 
-import heapq
 from array import array
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
+from itertools import compress
 
 from services.executor.engine.errors import LedgerError
 
@@ -47,8 +47,12 @@ class PageLedger:
         # The refcounts stay a list, whose items Python reads and writes 2-4x faster, at every block.
         self._slot_of = array("i", [KV]) * num_pages  # the layer whose weight slot holds page p, or KV
         self._refcount = [0] * num_pages
-        self._free_heap = list(range(1 - num_pages, 1))  # max-heap by page id (ascending: a heap as it is)
-        self._free = set(range(num_pages))
+        # Which pages are free KV pages, a byte each: the highest is found by a backward scan of contiguous bytes
+        # (bytearray.rfind), where a heap of page ids and a set of them cost a cache miss a level across the
+        # thousand arenas of a simulated fleet.
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._num_free = num_pages
+        self._top = num_pages  # no page at or above it is free
         self._was_slot = bytearray(num_pages)  # has this page ever been part of a slot
         self._extension = 0  # pages once in a slot and now not: counted as they move, since telemetry asks often
         self._slot_pages = 0
@@ -65,20 +69,19 @@ class PageLedger:
     # --- weight slots -------------------------------------------------------------------------
     def assign_slot(self, layer: int, pages: range) -> None:
         """Make `pages` (ascending) part of `layer`'s weight slot. Every page must be a free KV page."""
-        if not self._free.issuperset(pages):
+        if not self._all_free(pages):
             for p in pages:
                 self._check_page(p)
-                if p not in self._free:
+                if not self._is_free[p]:
                     owner = f"layer {self._slot_of[p]}'s slot" if self._slot_of[p] != KV else "live KV"
                     raise LedgerError(f"page {p} cannot join layer {layer}'s slot: it is {owner}")
         # Whole slices, not page by page: a simulated fleet lays out a thousand arenas of ten thousand pages.
         span = slice(pages.start, pages.stop, pages.step)
-        self._free.difference_update(pages)
+        self._take_free(pages)
         self._extension -= sum(self._was_slot[span])
         self._slot_of[span] = array("i", [layer]) * len(pages)
         self._was_slot[span] = b"\x01" * len(pages)
         self._slot_pages += len(pages)
-        self._compact_heap()
 
     def release_slot_pages(self, layer: int, pages: range) -> None:
         """Turn pages of `layer`'s slot (its tail, after quantization) into free KV pages."""
@@ -92,9 +95,7 @@ class PageLedger:
                     raise LedgerError(f"page {p} is not in layer {layer}'s slot (owner: {self.slot_of(p)})")
         self._slot_of[span] = array("i", [KV]) * len(pages)
         self._extension += len(pages)
-        self._free.update(pages)
-        for p in pages:
-            heapq.heappush(self._free_heap, -p)
+        self._give_free(pages)
         self._slot_pages -= len(pages)
 
     def slot_of(self, page: int) -> int | None:
@@ -105,16 +106,13 @@ class PageLedger:
     # --- absent pages -------------------------------------------------------------------------
     def withdraw(self, pages: range) -> None:
         """Take free KV pages out of use altogether (an instance's block ids no member can back now)."""
-        if not self._free.issuperset(pages):
+        if not self._all_free(pages):
             for p in pages:
                 self._check_page(p)
-                if p not in self._free:
+                if not self._is_free[p]:
                     raise LedgerError(f"page {p} cannot be withdrawn: it is not a free KV page")
-        self._free.difference_update(pages)
+        self._take_free(pages)
         self._absent.update(pages)
-        # Their heap entries would be stale, and they are the highest ids, which the next allocate pops first:
-        # an instance withdrawing half its ids paid a pop for each (26,000 per TP instance of a simulated fleet).
-        self._rebuild_heap()
 
     def reinstate(self, pages: range) -> None:
         """Bring withdrawn pages back as free KV pages."""
@@ -122,10 +120,8 @@ class PageLedger:
             self._check_page(p)
             if p not in self._absent:
                 raise LedgerError(f"page {p} cannot be reinstated: it was not withdrawn")
-        for p in pages:
-            self._absent.discard(p)
-            self._free.add(p)
-            heapq.heappush(self._free_heap, -p)
+        self._absent.difference_update(pages)
+        self._give_free(pages)
 
     @property
     def num_present(self) -> int:
@@ -133,40 +129,40 @@ class PageLedger:
 
     # --- KV pages -----------------------------------------------------------------------------
     def allocate(self) -> int:
-        """Take one free KV page (refcount 1). Raises LedgerError when none is free."""
-        while self._free_heap:
-            p = -heapq.heappop(self._free_heap)
-            if p in self._free:  # the heap may hold stale ids of pages since taken into a slot
-                self._free.discard(p)
-                self._refcount[p] = 1
-                return p
-        raise LedgerError("no free KV page")
+        """Take one free KV page (refcount 1), the highest. Raises LedgerError when none is free."""
+        page = self._is_free.rfind(1, 0, self._top)
+        if page < 0:
+            raise LedgerError("no free KV page")
+        self._is_free[page] = 0
+        self._num_free -= 1
+        self._top = page
+        self._refcount[page] = 1
+        return page
 
     def allocate_many(self, count: int) -> list[int]:
         """Take `count` free KV pages (refcount 1), the ones `count` calls of allocate would take, in their order;
-        LedgerError, and none taken, when fewer are free. An instance's members back thousands of blocks at once."""
-        if count > len(self._free):
-            raise LedgerError(f"{count} free KV pages wanted, {len(self._free)} free")
-        # allocate's order, since every free page has its heap entry; a sort beats nlargest past a few pages
-        pages = heapq.nlargest(count, self._free) if count < 16 else sorted(self._free, reverse=True)[:count]
-        if count == len(self._free):
-            self._free.clear()
-        else:
-            self._free.difference_update(pages)
-        if pages and pages[0] - pages[-1] == count - 1:  # one run of ids, as an arena's free pages start out
-            self._refcount[pages[-1]:pages[0] + 1] = [1] * count
-        else:
-            for p in pages:
-                self._refcount[p] = 1
-        self._compact_heap()
+        LedgerError, and none taken, when fewer are free. A prompt takes tens of pages at once, and an instance's
+        members back thousands of blocks: a run of free pages is taken as one."""
+        if count > self._num_free:
+            raise LedgerError(f"{count} free KV pages wanted, {self._num_free} free")
+        is_free, pages, top = self._is_free, [], self._top
+        while len(pages) < count:
+            top = is_free.rfind(1, 0, top) + 1  # one past the highest free page left
+            low = max(is_free.rfind(0, 0, top) + 1, top - (count - len(pages)))  # down its run, as far as wanted
+            pages += range(top - 1, low - 1, -1)
+            is_free[low:top] = bytes(top - low)
+            self._refcount[low:top] = [1] * (top - low)
+            top = low
+        self._num_free -= count
+        self._top = top
         return pages
 
     def claim(self, page: int) -> None:
         """Take the free KV page `page` (refcount 1): a transformation that chose where its KV goes."""
         self._check_page(page)
-        if page not in self._free:
+        if not self._is_free[page]:
             raise LedgerError(f"page {page} is not a free KV page")
-        self._free.discard(page)  # its stale heap entry is skipped by allocate
+        self._take_free(range(page, page + 1))
         self._refcount[page] = 1
 
     def reset_kv(self, used: dict[int, int]) -> None:
@@ -179,11 +175,9 @@ class PageLedger:
         for page in range(self.num_pages):
             if self._slot_of[page] == KV and page not in self._absent:
                 self._refcount[page] = used.get(page, 0)
-                if page in used:
-                    self._free.discard(page)
-                else:
-                    self._free.add(page)
-        self._rebuild_heap()
+                self._is_free[page] = page not in used
+        self._num_free = self._is_free.count(1)
+        self._top = self.num_pages
 
     def allocate_outside(self, avoid: Container[int]) -> int:
         """Take one free KV page that is not in `avoid` (where KV must move out of, not into)."""
@@ -199,7 +193,7 @@ class PageLedger:
                 self.decref(page)
 
     def free_outside(self, avoid: Container[int]) -> int:
-        return sum(1 for p in self._free if p not in avoid)
+        return sum(1 for p in self.free_pages() if p not in avoid)
 
     def relocate(self, page: int, avoid: Container[int]) -> int:
         """Hand every reference of the used KV page `page` to a free page outside `avoid`, and free `page`.
@@ -207,8 +201,7 @@ class PageLedger:
         self._check_used(page)
         new = self.allocate_outside(avoid)
         self._refcount[new], self._refcount[page] = self._refcount[page], 0
-        self._free.add(page)
-        heapq.heappush(self._free_heap, -page)
+        self._give_free(range(page, page + 1))
         return new
 
     def incref(self, page: int) -> None:
@@ -222,29 +215,35 @@ class PageLedger:
         """decref each of `pages` in turn, as a sequence's whole block table is freed: one call, not one a page, for
         the tens of blocks a finished sequence holds. A page that is not allocated raises, saying which, when its
         turn comes."""
-        refcount, free, heap, num_pages = self._refcount, self._free, self._free_heap, self.num_pages
-        for page in pages:
-            if not 0 <= page < num_pages or refcount[page] <= 0:
-                self._check_used(page)  # raises, saying which
-            left = refcount[page] - 1
-            refcount[page] = left
-            if not left:
-                free.add(page)
-                heapq.heappush(heap, -page)
+        refcount, is_free, num_pages, freed, top = self._refcount, self._is_free, self.num_pages, 0, self._top
+        try:
+            for page in pages:
+                if not 0 <= page < num_pages or refcount[page] <= 0:
+                    self._check_used(page)  # raises, saying which
+                left = refcount[page] - 1
+                refcount[page] = left
+                if not left:
+                    is_free[page] = 1
+                    freed += 1
+                    if page >= top:
+                        top = page + 1
+        finally:
+            self._num_free += freed
+            self._top = top
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def free_pages(self) -> list[int]:
         """The free KV pages, ascending."""
-        return sorted(self._free)
+        return list(compress(range(self.num_pages), self._is_free))
 
     def snapshot(self) -> LedgerSnapshot:
-        free = len(self._free)
+        free = self._num_free
         kv_pages = self.num_present - self._slot_pages
         extension = self._extension
         return LedgerSnapshot(
@@ -260,7 +259,7 @@ class PageLedger:
         """Raise LedgerError if the bookkeeping contradicts itself (used by tests and debug builds)."""
         for p in range(self.num_pages):
             in_slot = self._slot_of[p] != KV
-            free = p in self._free
+            free = bool(self._is_free[p])
             rc = self._refcount[p]
             if p in self._absent:
                 if in_slot or free or rc:
@@ -273,6 +272,9 @@ class PageLedger:
         extension = sum(1 for p in range(self.num_pages) if self._was_slot[p] and self._slot_of[p] == KV)
         if extension != self._extension:
             raise LedgerError(f"{self._extension} extension pages counted, {extension} found")
+        if self._num_free != self._is_free.count(1) or self._is_free.find(1, self._top) >= 0:
+            raise LedgerError(f"{self._num_free} free pages counted below {self._top}, "
+                              f"{self._is_free.count(1)} found, the highest {self._is_free.rfind(1)}")
 
     # --- helpers ------------------------------------------------------------------------------
     def _check_page(self, page: int) -> None:
@@ -287,12 +289,25 @@ class PageLedger:
             raise LedgerError(f"page {page} is not an allocated KV page")
         return count
 
-    def _rebuild_heap(self) -> None:
-        self._free_heap = [-p for p in self._free]
-        heapq.heapify(self._free_heap)
+    def _all_free(self, pages: range) -> bool:
+        """Whether every page of `pages` is a free KV page inside the arena."""
+        pages = pages if pages.step > 0 else pages[::-1]
+        if not pages:
+            return True
+        if pages.start < 0 or pages[-1] >= self.num_pages:
+            return False
+        return self._is_free[pages.start:pages.stop:pages.step].count(1) == len(pages)
 
-    def _compact_heap(self) -> None:
-        """Drop the heap's stale ids once they outnumber the free pages: allocate skips them anyway, and
-        rebuilding after every slot would make laying out an arena quadratic in its pages."""
-        if len(self._free_heap) > 2 * len(self._free) + 64:
-            self._rebuild_heap()
+    def _take_free(self, pages: range) -> None:
+        """`pages`, every one free, are free no more."""
+        pages = pages if pages.step > 0 else pages[::-1]
+        self._is_free[pages.start:pages.stop:pages.step] = bytes(len(pages))
+        self._num_free -= len(pages)
+
+    def _give_free(self, pages: range) -> None:
+        """`pages`, none of them free, are free KV pages now."""
+        pages = pages if pages.step > 0 else pages[::-1]
+        self._is_free[pages.start:pages.stop:pages.step] = b"\x01" * len(pages)
+        self._num_free += len(pages)
+        if pages:
+            self._top = max(self._top, pages[-1] + 1)

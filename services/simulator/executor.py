@@ -44,6 +44,7 @@ from services.simulator.decode_batch import DecodeBatch
 from services.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
 from services.simulator.instance import SimulatedRefusal, swap
 from services.simulator.member import MemberArena
+from services.simulator.tokens import CountedTokens
 from shared.config import ExecutorConfig
 from shared.messages import (
     BatchArgs,
@@ -223,7 +224,8 @@ class SimExecutor(MemberArena):
             raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,
                                   capacity)
         params = SamplingOptions(max_tokens=request.output_tokens, ignore_eos=True)
-        seq = Sequence(str(request.index), 0, [0] * request.prompt_tokens, params, now)
+        seq = Sequence(str(request.index), 0, CountedTokens(request.prompt_tokens), params, now,
+                       output_ids=CountedTokens())
         try:
             self.scheduler.add(seq)
         except QueueFullError:

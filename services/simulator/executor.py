@@ -23,6 +23,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 `hold` and `map_blocks` keep this arena's slots and backing pages as the fabric's member keeps them.
 """
 
+import functools
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -77,6 +78,13 @@ class FollowerRefusal(Exception):
 
 M = TypeVar("M", bound=BaseModel)
 _TEMPLATES: dict[type, dict] = {}  # a message's fields in order at their plain defaults (None where it has none)
+
+
+@functools.cache
+def sampling(max_tokens: int) -> SamplingOptions:
+    """A simulated request's sampling: `max_tokens` of them whatever comes. One per length, shared by the
+    sequences, which only read it: validating one per arrival was a percent of a saturated fleet's time."""
+    return SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
 
 
 def unvalidated(message: type[M], **fields) -> M:
@@ -223,9 +231,8 @@ class SimExecutor(MemberArena):
         if blocks > capacity:
             raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,
                                   capacity)
-        params = SamplingOptions(max_tokens=request.output_tokens, ignore_eos=True)
-        seq = Sequence(str(request.index), 0, CountedTokens(request.prompt_tokens), params, now,
-                       output_ids=CountedTokens())
+        seq = Sequence(str(request.index), 0, CountedTokens(request.prompt_tokens),
+                       sampling(request.output_tokens), now, output_ids=CountedTokens())
         try:
             self.scheduler.add(seq)
         except QueueFullError:

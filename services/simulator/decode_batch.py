@@ -11,15 +11,15 @@ each step was most of the simulator's time, yet a decode's step is foreseeable f
 block every block_size steps, and its last comes at max_tokens. So the batch keeps its steps as a count
 (`tick`), each sequence the tick its tokens were last written at, the steps at which each opens a block or ends,
 and the sum of their contexts as one number. A step reads those; a sequence's tokens are written (`write`) when
-it opens a block, when it ends, and when anything else is to read it: the executor writes them all before a
-step the scheduler makes, a command, a cancel or a merge (executor.py, `release_batch`). With nobody able to
+it ends and when anything else is to read it: the executor writes them all before a step the scheduler makes,
+a command, a cancel or a merge (executor.py, `release_batch`). With nobody able to
 join, the batch runs many steps as one event (decode_run.plan_batch_run), each settled by its own steps here.
 
 A batch is valid while only its own steps change the scheduler: one whose running sequences are not its members
 (a prefill still going, a preemption, a merge) declines the step, and the executor writes and drops it. A
 simulated sequence never forks, so no block is shared: a decode's pages are the block its token opens, or none,
-and the pages its members still take (the telemetry's pages_growth) are a count kept as they open blocks and
-end.
+a fresh page at its table's end whatever its tokens, and the pages its members still take (the telemetry's
+pages_growth) are a count kept as they open blocks and end.
 
 Exactly the steps the scheduler would make, to the page id and the float: tests/unit/test_decode_batch.py holds
 a batch's steps to the scheduler's on the same state, and tests/unit/test_decode_runs.py replays single steps
@@ -103,16 +103,20 @@ class DecodeBatch:
         return (n, self.offset + n * (self.tick + 1), [c.length for c in admitted.chunks]), admitted
 
     def open_blocks(self, opening: list[Sequence] | None = None) -> None:
-        """The step at `tick` begins: each member whose token opens a block takes a page, in the batch's order."""
+        """The step at `tick` begins: each member whose token opens a block takes a page, in the batch's order: a
+        fresh page at its table's end, what BlockManager.reserve gives a sequence whose blocks none shares, and
+        its tokens left unwritten (reserve would have read them)."""
         t = self.tick
         opening = self.opening(t) if opening is None else opening
         self.opens.pop(t, None)
+        if not opening:
+            return
         opening.sort(key=self.places.__getitem__)
         self.growth -= len(opening)
+        allocate = self.blocks.ledger.allocate
         for seq in opening:
-            self.write(seq)
-            self.blocks.reserve(seq, seq.num_computed + 1)
-            self.opens.setdefault(t + self.blocks.block_size, []).append(seq)
+            seq.block_table.append(allocate())
+        self.opens.setdefault(t + self.blocks.block_size, []).extend(opening)
 
     def end_step(self, now: float) -> list[Sequence]:
         """Its step ended at `now`, a token out of every member: those whose last it was, written and out of the

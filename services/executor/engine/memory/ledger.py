@@ -37,6 +37,11 @@ class LedgerSnapshot:
         return self.pages_kv_free + self.pages_kv_used
 
 
+def _ascending(pages: range) -> range:
+    """`pages` in ascending order, whose start and stop slice the per-page arrays as one span."""
+    return pages if pages.step > 0 else pages[::-1]
+
+
 class PageLedger:
     def __init__(self, num_pages: int):
         if num_pages <= 0:
@@ -85,7 +90,7 @@ class PageLedger:
 
     def release_slot_pages(self, layer: int, pages: range) -> None:
         """Turn pages of `layer`'s slot (its tail, after quantization) into free KV pages."""
-        pages = pages if pages.step > 0 else pages[::-1]
+        pages = _ascending(pages)
         inside = not pages or (pages.start >= 0 and pages[-1] < self.num_pages)
         span = slice(pages.start, pages.stop, pages.step)  # whole slices, as assign_slot
         if not inside or self._slot_of[span].count(layer) != len(pages):
@@ -291,7 +296,7 @@ class PageLedger:
 
     def _all_free(self, pages: range) -> bool:
         """Whether every page of `pages` is a free KV page inside the arena."""
-        pages = pages if pages.step > 0 else pages[::-1]
+        pages = _ascending(pages)
         if not pages:
             return True
         if pages.start < 0 or pages[-1] >= self.num_pages:
@@ -300,13 +305,13 @@ class PageLedger:
 
     def _take_free(self, pages: range) -> None:
         """`pages`, every one free, are free no more."""
-        pages = pages if pages.step > 0 else pages[::-1]
+        pages = _ascending(pages)
         self._is_free[pages.start:pages.stop:pages.step] = bytes(len(pages))
         self._num_free -= len(pages)
 
     def _give_free(self, pages: range) -> None:
         """`pages`, none of them free, are free KV pages now."""
-        pages = pages if pages.step > 0 else pages[::-1]
+        pages = _ascending(pages)
         self._is_free[pages.start:pages.stop:pages.step] = b"\x01" * len(pages)
         self._num_free += len(pages)
         if pages:

@@ -6,8 +6,13 @@ bench-amoebas`, alone and merged TP2, against the same model and a merged instan
 The error of a prediction is (predicted - measured) / measured, signed, so that a reader sees which way the
 model leans; a mode's summary is the mean of the absolute errors over its windows. The controller's actions
 are compared as counts per kind, since their times depend on everything before them.
+
+Several measured runs of one bench command set the prediction's error beside the machine's own: the runs taken
+as predictions of one another (`repeatability`). A simulation cannot be expected to come closer to one run than
+a second run of the same command does.
 """
 
+import itertools
 import statistics
 from collections import Counter
 
@@ -55,12 +60,33 @@ def compare(predicted: dict, measured: dict) -> dict:
     return out
 
 
-def print_fidelity(table: dict) -> None:
-    print("prediction error, (simulated - measured) / measured, mean |error| over the windows:")
+def mean_errors(tables: list[dict]) -> dict:
+    """{mode: {key: the mean over `tables` (compare's) of their mean |error|}}, for the modes all of them have."""
+    modes = [mode for mode in tables[0] if all(mode in t for t in tables)]
+    out = {}
+    for mode in modes:
+        errors = {key: [t[mode]["mean_abs_error"][key] for t in tables] for key in KEYS}
+        out[mode] = {key: statistics.fmean(e) if None not in e else None for key, e in errors.items()}
+    return out
+
+
+def repeatability(runs: list[dict]) -> dict:
+    """How far measured runs of one command are from one another: each run taken as a prediction of every earlier
+    one (compare), the mean |error| averaged over the pairs, per mode."""
+    return mean_errors([compare(later, earlier) for earlier, later in itertools.combinations(runs, 2)])
+
+
+def print_errors(title: str, errors: dict) -> None:
+    """A table of mean |error| per mode and key ({mode: {key: error}})."""
+    print(title)
     print(f"{'mode':>9} " + " ".join(f"{key:>18}" for key in KEYS))
-    for mode, row in table.items():
-        cells = [row["mean_abs_error"][key] for key in KEYS]
-        print(f"{mode:>9} " + " ".join(f"{'-' if c is None else f'{100 * c:.0f}%':>18}" for c in cells))
+    for mode, row in errors.items():
+        print(f"{mode:>9} " + " ".join(f"{'-' if row[k] is None else f'{100 * row[k]:.0f}%':>18}" for k in KEYS))
+
+
+def print_fidelity(table: dict) -> None:
+    print_errors("prediction error, (simulated - measured) / measured, mean |error| over the windows:",
+                 {mode: row["mean_abs_error"] for mode, row in table.items()})
     for mode, row in table.items():
         for name, w in row["windows"].items():
             print(f"  {mode} {name}: " + ", ".join(

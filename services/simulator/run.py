@@ -42,8 +42,8 @@ from services.bench.report import comparison, mode_summary, model_summaries, pri
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation, no_cycle_collection
-from services.simulator.fidelity import (compare, decode_steps, print_decode_steps, print_fidelity, print_tp_steps,
-                                        tp_steps)
+from services.simulator.fidelity import (compare, decode_steps, mean_errors, print_decode_steps, print_errors,
+                                        print_fidelity, print_tp_steps, repeatability, tp_steps)
 from services.simulator.executor import SimRequest
 from services.simulator.fleet import DEFAULT_MODEL, Fleet, FleetError, read_fleet
 from shared.config import ControllerConfig, MonitorConfig, data_dir
@@ -85,9 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="seconds after the last arrival before unfinished requests count as failed")
     ap.add_argument("--ppl-table", type=Path, default=DEFAULT_TABLE, help="`morphling eval ppl --table` output")
     ap.add_argument("--seed", type=int, default=0, help="the steady load's")
-    ap.add_argument("--compare", type=Path,
+    ap.add_argument("--compare", type=Path, action="append",
                     help="a `morphling bench` results.json: replay its windows at its rate scale and report how far "
-                         "each prediction is from what it measured")
+                         "each prediction is from what it measured; given again, another run of the same bench "
+                         "command: the prediction is set against each, and the runs against one another")
     ap.add_argument("--compare-steps", type=Path,
                     help="instead, a `morphling bench-engine --device cuda` JSON: the fleet's predicted decode steps "
                          "against the ones it measured (written to steps.json in --out)")
@@ -121,12 +122,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--compare-tp {args.compare_tp}: not a `morphling bench-amoebas` result ({e})")
     if args.compare is not None:
-        try:
-            args.measured = json.loads(args.compare.read_text())
-            measured_scale = args.measured["capacity"]["rate_scale"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            ap.error(f"--compare {args.compare}: not a `morphling bench` results.json ({e})")
-        args.rate_scale = args.rate_scale or measured_scale
+        args.measured = [read_measured(ap, path) for path in args.compare]
+        first = args.measured[0]
+        for path, run in zip(args.compare[1:], args.measured[1:]):
+            if not same_command(first, run):
+                ap.error(f"--compare {path}: not a run of the same bench command as {args.compare[0]} (its windows "
+                         f"or rate scale differ)")
+        args.rate_scale = args.rate_scale or first["capacity"]["rate_scale"]
     if args.rate_scale is None and "fp16" not in args.modes:
         ap.error("the load is scaled to fp16's capacity: add fp16 to --modes, or give --rate-scale")
     for name in ("window_s", "load", "probe_s", "probe_start", "len_scale", "slo_ttft", "slo_tpot",
@@ -279,6 +281,23 @@ def compare_tp(fleet: Fleet, args: argparse.Namespace) -> int:
     return 0
 
 
+def read_measured(ap: argparse.ArgumentParser, path: Path) -> dict:
+    try:
+        run = json.loads(path.read_text())
+        if not isinstance(run["capacity"]["rate_scale"], (int, float)) or not run["modes"] or not run["windows"]:
+            raise ValueError("no rate scale, modes or windows")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--compare {path}: not a `morphling bench` results.json ({e})")
+    return run
+
+
+def same_command(first: dict, run: dict) -> bool:
+    """Whether `run` replayed the windows of `first` at its rate scale (the bench rounds a given scale: 1%)."""
+    names = [w["name"] for w in first["windows"]]
+    scale = first["capacity"]["rate_scale"]
+    return [w["name"] for w in run["windows"]] == names and abs(run["capacity"]["rate_scale"] - scale) <= 0.01 * scale
+
+
 def check_modes(fleet: Fleet, modes: list[str]) -> None:
     """FleetError for a mode the fleet's executors cannot start in: CoCoServe's pairs of executors serving alone,
     on a fleet that starts every executor in a TP instance (where some serve alone, they pair)."""
@@ -311,6 +330,16 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles
     return results
+
+
+def fidelity(report: dict, paths: list[Path], runs: list[dict]) -> dict:
+    """The simulation against the first measured run, window by window; with several, against each and the runs
+    against one another."""
+    out = {"measured": str(paths[0]), "modes": compare(report, runs[0])}
+    if len(runs) > 1:
+        out |= {"runs": [str(p) for p in paths], "against_each": mean_errors([compare(report, r) for r in runs]),
+                "repeatability": repeatability(runs)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,12 +389,17 @@ def main(argv: list[str] | None = None) -> int:
                    "latency": s.latency.source} for s in fleet.executors]},
               "windows": [vars(w) | {"name": w.name} for w in windows], **provenance(args, skip=("measured",))}
     if args.compare is not None:
-        report["fidelity"] = {"measured": str(args.compare), "modes": compare(report, args.measured)}
+        report["fidelity"] = fidelity(report, args.compare, args.measured)
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     print_table(modes, compared)
     print_models(modes)
     if args.compare is not None:
         print_fidelity(report["fidelity"]["modes"])
+        if len(args.measured) > 1:
+            print_errors(f"the same against each of the {len(args.measured)} measured runs, mean |error|:",
+                         report["fidelity"]["against_each"])
+            print_errors("the measured runs against one another (the machine's own repeat), mean |error|:",
+                         report["fidelity"]["repeatability"])
     print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} (and one per model of several) and a "
           f"timeline per mode and window")
     return 0

@@ -513,6 +513,34 @@ def test_compare_replays_a_run_at_its_rate_and_reports_signed_errors(tmp_path):
     assert row["actions"] == {"measured": {"quantize": 1}, "predicted": {}}
 
 
+def test_compare_with_repeated_runs_reports_the_machines_own_repeat_beside_the_prediction(tmp_path, capsys):
+    fleet, first = write_fleet(tmp_path, pages=720), tmp_path / "first"
+    common = ["--fleet", str(fleet), "--modes", "fp16", "--busy", "1", "--ordinary", "0", "--window-s", "5"]
+    assert simulate_cli.main(common + ["--rate-scale", "0.4", "--out", str(first)]) == 0
+    # A second "measured" run of the same command, twice as slow at P95 TTFT: the first and it are 100% apart.
+    second = json.loads((first / "results.json").read_text())
+    for window in second["modes"]["fp16"]["windows"].values():
+        window["ttft_p95"] *= 2
+    (tmp_path / "second.json").write_text(json.dumps(second))
+    out = tmp_path / "out"
+    argv = common + ["--compare", str(first / "results.json"), "--compare", str(tmp_path / "second.json"),
+                     "--out", str(out)]
+    assert simulate_cli.main(argv) == 0
+    fidelity = json.loads((out / "results.json").read_text())["fidelity"]
+    assert fidelity["modes"]["fp16"]["mean_abs_error"]["ttft_p95"] == 0.0  # against the first, exact
+    assert fidelity["against_each"]["fp16"]["ttft_p95"] == pytest.approx(0.25)  # 0 and 50% low
+    assert fidelity["repeatability"]["fp16"]["ttft_p95"] == pytest.approx(1.0)
+    assert fidelity["repeatability"]["fp16"]["ttft_p50"] == 0.0
+    assert "the machine's own repeat" in capsys.readouterr().out
+    # A run of other windows or another rate is no repeat of the first: refused before anything runs.
+    second["capacity"]["rate_scale"] = 0.5
+    (tmp_path / "other.json").write_text(json.dumps(second))
+    with pytest.raises(SystemExit) as exc:
+        simulate_cli.parse_args(common + ["--compare", str(first / "results.json"),
+                                          "--compare", str(tmp_path / "other.json")])
+    assert exc.value.code == 2 and "not a run of the same bench command" in capsys.readouterr().err
+
+
 def test_compare_steps_sets_the_fleets_decode_step_against_a_measured_engine_bench(tmp_path, capsys):
     """Every layer takes DECODE_S and a step OVERHEAD_S more, whatever the batch: 30 layers make 40 ms."""
     measured = tmp_path / "engine_gpu_bench.json"
@@ -705,6 +733,13 @@ def test_a_tp_step_is_each_layer_split_k_ways_and_two_all_reduces_a_layer(tmp_pa
     seconds, parts = group.step_seconds(sim.executors["exec0"].scheduler.schedule().chunks)
     assert seconds == pytest.approx(30 * (PREFILL_S / 2 + 2 * reduce_s) + OVERHEAD_S)
     assert parts == {"exec0": seconds, "exec1": seconds}
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "services" / "simulator" / "fleets").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_every_shipped_fleet_reads_with_its_profiles(path):
+    fleet = read_fleet(path)
+    assert fleet.executors and all(s.shape.num_layers > 0 for s in fleet.executors)
 
 
 def test_cocoserve_and_amoebas_run_end_to_end_on_the_cpu_bench_fleet(tmp_path, capsys):

@@ -156,7 +156,7 @@ class Dispatcher:
             if commands is not None and config.tp_scheduler != "off" else None
         self._turn = itertools.count()  # round-robin's (the rr scheduler)
         self.state: ClusterState | None = None
-        self._unreported = Unreported()  # admitted since each executor's last report: routing counts them
+        self._unreported = Unreported()  # asked of or admitted since each executor's last report: routing counts them
         self._block_sizes: dict[str, int] = {}
         # Unbounded as queues: _on_tokens bounds them, and the LOST and OVERFLOWED markers must always fit.
         self._queues: dict[str, asyncio.Queue] = {}
@@ -281,6 +281,7 @@ class Dispatcher:
                                                      "admit_by": time.time() + timeout})
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[attempt_req.request_id] = queue
+            self._unreported.asking(executor)
             try:
                 admission = await self.bus.request(subjects.infer(executor), attempt_req, Admission,
                                                    timeout=timeout, ctx=ctx, give_up_on_disconnect=True)
@@ -298,6 +299,8 @@ class Dispatcher:
                 self._cancel_later(executor, attempt_req.request_id)
                 saw_timeout |= isinstance(exc, ReplyTimeout)
                 continue
+            finally:
+                self._unreported.answered(executor)
             if admission.accepted:
                 self._running_on[attempt_req.request_id] = executor
                 self._unreported.add(executor, time.time(),

@@ -34,13 +34,16 @@ class Unreported:
     """The requests a gateway sent since each executor's last report. The monitor publishes a few states a
     second; between two of them every arrival would go to the one executor that looked least loaded, and at
     hundreds of requests a second (a fleet's gateway, the simulator's thousand executors) that one executor's
-    queue overflows while the rest idle. Counting what was sent since keeps the choice spread. A refusal for a
-    full queue counts too: the state still shows the room the executor had, and every arrival until the next one
-    would be offered to it first and refused again (eleven refusals an arrival, in a thousand-executor fleet
-    past its capacity: each a round trip on the bus)."""
+    queue overflows while the rest idle. Counting what was sent since keeps the choice spread. A request whose
+    admission is still on its way counts as sent from the moment it is asked (`asking`): requests that arrive
+    together are all routed before the first answer comes back, and counted only once admitted, they had all
+    gone to the same executor. A refusal for a full queue counts too: the state still shows the room the
+    executor had, and every arrival until the next one would be offered to it first and refused again (eleven
+    refusals an arrival, in a thousand-executor fleet past its capacity: each a round trip on the bus)."""
 
     def __init__(self) -> None:
         self._sent: dict[str, list[tuple[float, int]]] = {}  # executor -> (sent at, its prompt's pages)
+        self._asking: dict[str, int] = {}  # executor -> admissions asked of it and not answered yet
         self._refused: dict[str, float] = {}  # executor -> when it last refused for a full queue
         self._totals: dict[str, Sent] = {}  # what view() shows, kept as sending goes: it is asked per request
         self._view = MappingProxyType(self._totals)  # one per state: the router keeps its heap while it grows
@@ -49,6 +52,24 @@ class Unreported:
         self._sent.setdefault(executor, []).append((sent_at, pages))
         before = self._totals.get(executor, NOTHING_SENT)
         self._totals[executor] = Sent(before.requests + 1, before.pages + pages, before.full)
+
+    def asking(self, executor: str) -> None:
+        """An admission is on its way to `executor`: counted as a request sent (its pages come with add()) until
+        answered(), whatever reports come meanwhile."""
+        self._asking[executor] = self._asking.get(executor, 0) + 1
+        before = self._totals.get(executor, NOTHING_SENT)
+        self._totals[executor] = Sent(before.requests + 1, before.pages, before.full)
+
+    def answered(self, executor: str) -> None:
+        """The admission asked of `executor` came back (or failed): add() counts it if it was admitted."""
+        if (asking := self._asking[executor] - 1) == 0:
+            del self._asking[executor]
+        else:
+            self._asking[executor] = asking
+        before = self._totals[executor]
+        self._totals[executor] = Sent(before.requests - 1, before.pages, before.full)
+        # Routing keeps a heap that only a rising load may leave stale (_least_loaded): a new view rebuilds it.
+        self._view = MappingProxyType(self._totals)
 
     def refused(self, executor: str, at: float) -> None:
         """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""
@@ -63,9 +84,9 @@ class Unreported:
         self._sent = {name: kept for name, sent in self._sent.items() if name in reported
                       and (kept := [(t, pages) for t, pages in sent if t > reported[name]])}
         self._refused = {name: at for name, at in self._refused.items() if name in reported and at > reported[name]}
-        self._totals = {name: Sent(len(sent), sum(pages for _, pages in sent), name in self._refused)
-                        for name, sent in self._sent.items()}
-        self._totals.update((name, Sent(full=True)) for name in self._refused.keys() - self._sent.keys())
+        self._totals = {name: Sent(len(self._sent.get(name, ())) + self._asking.get(name, 0),
+                                   sum(pages for _, pages in self._sent.get(name, ())), name in self._refused)
+                        for name in self._sent.keys() | self._asking.keys() | self._refused.keys()}
         self._view = MappingProxyType(self._totals)
 
     def view(self) -> Mapping[str, Sent]:

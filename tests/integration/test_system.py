@@ -15,9 +15,10 @@ DAYS = "The days of the week are Monday, Tuesday, Wednesday,"
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    # a small queue so that a flood meets 429; two executors so that routing has a choice
+    # a small queue so that a flood meets 429, longer than a burst's share of it so that only routing spreads the
+    # burst; two executors so that routing has a choice
     sys_ = System(tmp_path_factory.mktemp("system"), executors=2,
-                  executor_args=("--max-waiting", "3", "--max-num-seqs", "4")).start()
+                  executor_args=("--max-waiting", "8", "--max-num-seqs", "4")).start()
     yield sys_
     sys_.stop()
 
@@ -162,7 +163,7 @@ def test_flood_meets_429_with_retry_after_and_the_rest_finish(system):
                 assert int(e.response.headers["retry-after"]) >= 1
                 assert e.response.json()["error"]["type"]
                 return 429
-        return await asyncio.gather(*(one(i) for i in range(30)))
+        return await asyncio.gather(*(one(i) for i in range(40)))  # 24 fit: four running, eight waiting, twice
 
     results = asyncio.run(flood())
     assert 429 in results
@@ -171,6 +172,29 @@ def test_flood_meets_429_with_retry_after_and_the_rest_finish(system):
     while time.time() < deadline and not kv_all_free(system):
         time.sleep(0.2)
     assert kv_all_free(system)
+
+
+def test_a_burst_is_spread_over_the_executors_not_sent_to_one(system):
+    """Eight requests at once: every one is routed before the first admission is answered, and the executors
+    share them. Counted only once admitted, all eight had gone to the executor that looked least loaded (its
+    queue holds them). Four each, or five and three where a report that already counts an admission comes before
+    its answer, which then counts twice for a moment."""
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        tasks = [asyncio.create_task(client.completions.create(
+            model=MODEL, prompt=f"Tell story number {i}:", max_tokens=48, temperature=0,
+            extra_body={"ignore_eos": True})) for i in range(8)]
+        loads = []  # each executor's running and waiting, whenever the cluster view shows all eight
+        while not all(t.done() for t in tasks):
+            executors = (await asyncio.to_thread(system.cluster))["executors"]
+            if sum(e["running"] + e["waiting"] for e in executors) == 8:
+                loads.append(sorted(e["running"] + e["waiting"] for e in executors))
+            await asyncio.sleep(0.1)
+        return [t.result().choices[0].finish_reason for t in tasks], loads
+
+    finished, loads = asyncio.run(burst())
+    assert finished == ["length"] * 8
+    assert loads and all(load[0] >= 3 for load in loads), loads
 
 
 def test_cluster_view_and_metrics(system):

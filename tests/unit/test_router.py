@@ -123,6 +123,40 @@ def test_a_refuser_is_asked_last_until_it_reports_after_its_refusal():
 
 
 @given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
+def test_requests_routed_together_before_any_admission_answers_spread(n, arrivals):
+    """As the gateway routes a burst: every request is asked of its executor before the first answer is back."""
+    s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
+    sent, counts = Unreported(), {f"e{i}": 0 for i in range(n)}
+    for _ in range(arrivals):
+        chosen = choose_executor(s, set(), "m", unreported=sent.view())
+        sent.asking(chosen)
+        counts[chosen] += 1
+    assert max(counts.values()) - min(counts.values()) <= 1
+    for name, count in counts.items():  # all admitted: the same counts, now with their pages
+        for _ in range(count):
+            sent.answered(name)
+            sent.add(name, 1.0, 2)
+    assert {name: (v.requests, v.pages) for name, v in sent.view().items() if v.requests} == {
+        name: (count, 2 * count) for name, count in counts.items() if count}
+
+
+def test_an_admission_on_its_way_outlives_a_report_and_a_refused_one_leaves_nothing():
+    s = state(executor("a", free=20, time=1.0), executor("b", free=20, time=1.0))
+    sent = Unreported()
+    sent.asking("a")
+    sent.forget_reported(state(executor("a", time=2.0), executor("b", time=2.0)))  # taken before a admitted it
+    assert sent.view()["a"].requests == 1
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "b"
+    sent.asking("b")
+    sent.answered("a")  # refused, or its admission failed: nothing sent a
+    assert choose_executor(s, set(), "m", unreported=sent.view()) == "a"
+    sent.answered("b")
+    sent.add("b", 3.0, 1)
+    sent.forget_reported(state(executor("a", time=2.5), executor("b", time=2.5)))
+    assert {name: v.requests for name, v in sent.view().items()} == {"b": 1}
+
+
+@given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
 def test_identical_executors_between_two_states_take_turns(n, arrivals):
     s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
     sent, counts = Unreported(), {f"e{i}": 0 for i in range(n)}

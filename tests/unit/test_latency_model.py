@@ -119,6 +119,12 @@ def profiled(tmp_path_factory):
     return record, out
 
 
+def test_a_cpu_profile_times_every_layer_in_turn_and_a_gpu_one_four_unless_told():
+    assert profile_latency.layers_timed(30, None, "cpu") == list(range(30))
+    assert profile_latency.layers_timed(32, None, "cuda") == [0, 10, 21, 31]
+    assert profile_latency.layers_timed(30, 2, "cpu") == [0, 29]
+
+
 def test_profile_loads_as_a_fitted_latency(profiled):
     record, out = profiled
     written = json.loads(out.read_text())

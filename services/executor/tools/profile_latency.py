@@ -17,13 +17,17 @@ the serving dtype's full precision, float32 on CPU). On CUDA a decode layer is i
 A point's time is, per timed layer, the median over --repeats runs (--decode-repeats for decode: a decode
 layer takes milliseconds, so many runs cost little and steady a median that a neighbour's burst of work on
 shared cores would shift) after one untimed run, the allocator's first of that shape; then the mean over
---layers-timed layers spread over the depth: the layers share one shape, and timing every one of them would
-multiply the run for nothing.
+--layers-timed layers spread over the depth. On a CPU that is every layer, in the step's order: there a
+decode layer timed among four spread ones came out 17-37% faster than among all 30 in turn, as a whole step
+runs them (batches 2-16 of SmolLM2-135M, docs/benchmarks.md, "The machine's own repeat"), and a profile so timed
+predicted served steps short. On CUDA, where a layer is one replayed graph and the GPU's time is scarce, four:
+the layers share one shape.
 
 Each (phase, bits) is fitted on the grid (latency.fit: the features of latency.PREFILL_FEATURES and
 DECODE_FEATURES). Held-out points off the grid, batches and lengths between the grid's like the paper's
 "unseen workloads" (§VI-B), give the fit's error: |predicted − measured| / measured, its mean and maximum.
-The default grid takes about three minutes for SmolLM2-135M on two shared CPU cores (one torch thread).
+The default grid takes about ten minutes for SmolLM2-135M on two shared CPU cores (one torch thread, every layer
+timed; two minutes timing four).
 
 Written as JSON (shared/planner/latency.py load_profile reads it) with a PNG of predicted
 against measured beside it:
@@ -69,6 +73,7 @@ LENGTH = {"prefill": "prompt", "decode": "context"}  # what a sample's second co
 # A decoding sequence holds its c prompt tokens and the one the prefill sampled; the engine ends one that
 # reaches max_model_len, so the longest length needs a little room beyond it.
 ROOM_TOKENS = 8
+GPU_LAYERS_TIMED = 4
 
 Point = tuple[int, int]  # (batch, prompt or context)
 T = TypeVar("T")
@@ -82,6 +87,12 @@ def spread(num_layers: int, count: int) -> list[int]:
     if count == 1:
         return [num_layers // 2]
     return sorted({round(k * (num_layers - 1) / (count - 1)) for k in range(count)})
+
+
+def layers_timed(num_layers: int, given: int | None, device: str) -> list[int]:
+    """The layers each point times: `given` spread over the depth, by default every one on a CPU and
+    GPU_LAYERS_TIMED on CUDA (the module's docstring says why)."""
+    return spread(num_layers, given or (num_layers if device == "cpu" else GPU_LAYERS_TIMED))
 
 
 def set_bits(engine: LLMEngine, bits: int) -> None:
@@ -367,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-batches", type=lengths(2), help="decode's batch sizes, if not --batches")
     ap.add_argument("--heldout-decode-batches", type=lengths(1), help="decode's held-out batch sizes, if not "
                                                                         "--heldout-batches")
-    ap.add_argument("--layers-timed", type=positive, default=4, help="layers timed per point, spread over the depth")
+    ap.add_argument("--layers-timed", type=positive,
+                    help="layers timed per point, spread over the depth (default: every layer on cpu, 4 on cuda)")
     ap.add_argument("--repeats", type=positive, default=3, help="timed runs per prefill point (the median is kept)")
     ap.add_argument("--decode-repeats", type=positive, default=10, help="timed runs per decode point")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON to write (the PNG goes beside it)")
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device_name is None:
         gpu = "cpu" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
         args.device_name = table_name(gpu) or gpu
-    layers = spread(engine.model_config.num_layers, args.layers_timed)
+    layers = layers_timed(engine.model_config.num_layers, args.layers_timed, args.device)
     cfg = engine.model_config
     print(f"{served_model_name(args.model)} on {args.device_name}: {cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, {engine.config.resolved_dtype()}; timing layers {layers}, {args.repeats} repeats "

@@ -257,6 +257,24 @@ class Dispatcher:
             await asyncio.sleep(_FAILOVER_RETRY_S)
         return set()
 
+    async def _ask(self, executor: str, request: GenerateRequest, timeout: float,
+                   ctx: otel_context.Context | None) -> Admission:
+        """`executor`'s answer to admitting `request`. Routing counts the request as sent it from now on, not from
+        the answer: a burst is routed before the first answer comes back, and counted at the answers, all of it
+        went to the one executor that looked least loaded."""
+        self._unreported.asking(executor)
+        admission = None
+        try:
+            admission = await self.bus.request(subjects.infer(executor), request, Admission, timeout=timeout,
+                                               ctx=ctx, give_up_on_disconnect=True)
+            return admission
+        finally:
+            if admission is not None and admission.accepted:
+                self._unreported.admitted(executor, time.time(),
+                                          prompt_pages(admission.prompt_tokens, self._block_sizes.get(executor, 1)))
+            else:
+                self._unreported.not_admitted(executor)
+
     async def _admit(self, request: GenerateRequest, model: str, ctx: otel_context.Context | None,
                      attempts: Iterator[int], closed: set[str], only: str | None = None) -> Ticket:
         """One round of submit(): each serving executor in the strategy's order until one admits the request;
@@ -281,10 +299,8 @@ class Dispatcher:
                                                      "admit_by": time.time() + timeout})
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[attempt_req.request_id] = queue
-            self._unreported.asking(executor)
             try:
-                admission = await self.bus.request(subjects.infer(executor), attempt_req, Admission,
-                                                   timeout=timeout, ctx=ctx, give_up_on_disconnect=True)
+                admission = await self._ask(executor, attempt_req, timeout, ctx)
             except PayloadTooLarge as exc:  # never sent, so nothing to cancel
                 self._queues.pop(attempt_req.request_id, None)
                 raise ApiError(413, f"the request is too large to pass to an executor ({exc.problem})",
@@ -299,12 +315,8 @@ class Dispatcher:
                 self._cancel_later(executor, attempt_req.request_id)
                 saw_timeout |= isinstance(exc, ReplyTimeout)
                 continue
-            finally:
-                self._unreported.answered(executor)
             if admission.accepted:
                 self._running_on[attempt_req.request_id] = executor
-                self._unreported.add(executor, time.time(),
-                                     prompt_pages(admission.prompt_tokens, self._block_sizes.get(executor, 1)))
                 return Ticket(attempt_req, model, executor, queue, admission.prompt_tokens, time.time(), ctx,
                               attempts)
             self._queues.pop(attempt_req.request_id, None)

@@ -54,22 +54,32 @@ class Unreported:
         self._totals[executor] = Sent(before.requests + 1, before.pages + pages, before.full)
 
     def asking(self, executor: str) -> None:
-        """An admission is on its way to `executor`: counted as a request sent (its pages come with add()) until
-        answered(), whatever reports come meanwhile."""
+        """An admission is on its way to `executor`: counted as a request sent, whatever reports come meanwhile,
+        until admitted() or not_admitted()."""
         self._asking[executor] = self._asking.get(executor, 0) + 1
         before = self._totals.get(executor, NOTHING_SENT)
         self._totals[executor] = Sent(before.requests + 1, before.pages, before.full)
 
-    def answered(self, executor: str) -> None:
-        """The admission asked of `executor` came back (or failed): add() counts it if it was admitted."""
-        if (asking := self._asking[executor] - 1) == 0:
-            del self._asking[executor]
-        else:
-            self._asking[executor] = asking
+    def admitted(self, executor: str, at: float, pages: int) -> None:
+        """The admission asked of `executor` was accepted at `at`: sent, as add() counts it."""
+        self._answered(executor)
+        self._sent.setdefault(executor, []).append((at, pages))
+        before = self._totals[executor]
+        self._totals[executor] = Sent(before.requests, before.pages + pages, before.full)
+
+    def not_admitted(self, executor: str) -> None:
+        """The admission asked of `executor` was refused, or no answer came: nothing was sent it."""
+        self._answered(executor)
         before = self._totals[executor]
         self._totals[executor] = Sent(before.requests - 1, before.pages, before.full)
         # Routing keeps a heap that only a rising load may leave stale (_least_loaded): a new view rebuilds it.
         self._view = MappingProxyType(self._totals)
+
+    def _answered(self, executor: str) -> None:
+        if (asking := self._asking[executor] - 1) == 0:
+            del self._asking[executor]
+        else:
+            self._asking[executor] = asking
 
     def refused(self, executor: str, at: float) -> None:
         """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""

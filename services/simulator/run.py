@@ -292,7 +292,7 @@ def read_measured(ap: argparse.ArgumentParser, path: Path) -> dict:
 
 
 def same_command(first: dict, run: dict) -> bool:
-    """Whether `run` replayed the windows of `first` at its rate scale (the bench rounds a given scale: 1%)."""
+    """Whether `run` replayed the windows of `first` at its rate scale, to 1% (a scale given by hand: rounded)."""
     names = [w["name"] for w in first["windows"]]
     scale = first["capacity"]["rate_scale"]
     return [w["name"] for w in run["windows"]] == names and abs(run["capacity"]["rate_scale"] - scale) <= 0.01 * scale

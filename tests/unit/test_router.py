@@ -134,8 +134,7 @@ def test_requests_routed_together_before_any_admission_answers_spread(n, arrival
     assert max(counts.values()) - min(counts.values()) <= 1
     for name, count in counts.items():  # all admitted: the same counts, now with their pages
         for _ in range(count):
-            sent.answered(name)
-            sent.add(name, 1.0, 2)
+            sent.admitted(name, 1.0, 2)
     assert {name: (v.requests, v.pages) for name, v in sent.view().items() if v.requests} == {
         name: (count, 2 * count) for name, count in counts.items() if count}
 
@@ -148,10 +147,9 @@ def test_an_admission_on_its_way_outlives_a_report_and_a_refused_one_leaves_noth
     assert sent.view()["a"].requests == 1
     assert choose_executor(s, set(), "m", unreported=sent.view()) == "b"
     sent.asking("b")
-    sent.answered("a")  # refused, or its admission failed: nothing sent a
+    sent.not_admitted("a")  # refused, or no answer came: nothing sent a
     assert choose_executor(s, set(), "m", unreported=sent.view()) == "a"
-    sent.answered("b")
-    sent.add("b", 3.0, 1)
+    sent.admitted("b", 3.0, 1)
     sent.forget_reported(state(executor("a", time=2.5), executor("b", time=2.5)))
     assert {name: v.requests for name, v in sent.view().items()} == {"b": 1}
 

@@ -1,6 +1,7 @@
 """choose_executor: live, an instance's leader, not draining, right model, not excluded; not suspect, the least
 shortest queue, then the least share of its KV in use; AMOEBAs' baselines by turn or by requests."""
 
+import pytest
 from hypothesis import given, strategies as st
 
 from services.gateway.router import Unreported, choose_executor, prompt_pages, serving
@@ -122,23 +123,6 @@ def test_a_refuser_is_asked_last_until_it_reports_after_its_refusal():
     assert choose_executor(s, set(), "m", unreported=sent.view()) == "a"
 
 
-@given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
-def test_requests_routed_together_before_any_admission_answers_spread(n, arrivals):
-    """As the gateway routes a burst: every request is asked of its executor before the first answer is back."""
-    s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
-    sent, counts = Unreported(), {f"e{i}": 0 for i in range(n)}
-    for _ in range(arrivals):
-        chosen = choose_executor(s, set(), "m", unreported=sent.view())
-        sent.asking(chosen)
-        counts[chosen] += 1
-    assert max(counts.values()) - min(counts.values()) <= 1
-    for name, count in counts.items():  # all admitted: the same counts, now with their pages
-        for _ in range(count):
-            sent.admitted(name, 1.0, 2)
-    assert {name: (v.requests, v.pages) for name, v in sent.view().items() if v.requests} == {
-        name: (count, 2 * count) for name, count in counts.items() if count}
-
-
 def test_an_admission_on_its_way_outlives_a_report_and_a_refused_one_leaves_nothing():
     s = state(executor("a", free=20, time=1.0), executor("b", free=20, time=1.0))
     sent = Unreported()
@@ -154,15 +138,26 @@ def test_an_admission_on_its_way_outlives_a_report_and_a_refused_one_leaves_noth
     assert {name: v.requests for name, v in sent.view().items()} == {"b": 1}
 
 
+@pytest.mark.parametrize("asked", [False, True], ids=["admitted at once", "asked, every answer to come"])
 @given(st.integers(min_value=2, max_value=6), st.integers(min_value=1, max_value=40))
-def test_identical_executors_between_two_states_take_turns(n, arrivals):
+def test_identical_executors_between_two_states_take_turns(asked, n, arrivals):
+    """Each request counted as admitted when routed (the simulator's admissions take no time), or as asked (the
+    gateway routes a burst before the first answer is back, then counts each admitted with its pages)."""
     s = state(*(executor(f"e{i}", free=1000) for i in range(n)))
     sent, counts = Unreported(), {f"e{i}": 0 for i in range(n)}
     for t in range(arrivals):
         chosen = choose_executor(s, set(), "m", unreported=sent.view())
-        sent.add(chosen, float(t + 1), 1)
+        if asked:
+            sent.asking(chosen)
+        else:
+            sent.add(chosen, float(t + 1), 1)
         counts[chosen] += 1
     assert max(counts.values()) - min(counts.values()) <= 1
+    for name, count in counts.items() if asked else ():
+        for _ in range(count):
+            sent.admitted(name, 1.0, 2)
+    assert {name: (v.requests, v.pages) for name, v in sent.view().items() if v.requests} == {
+        name: (count, (2 if asked else 1) * count) for name, count in counts.items() if count}
 
 
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),

@@ -49,31 +49,33 @@ class Unreported:
         self._view = MappingProxyType(self._totals)  # one per state: the router keeps its heap while it grows
 
     def add(self, executor: str, sent_at: float, pages: int) -> None:
+        """A request admitted by `executor` at `sent_at` in the same moment it was routed (the simulator's)."""
         self._sent.setdefault(executor, []).append((sent_at, pages))
-        before = self._totals.get(executor, NOTHING_SENT)
-        self._totals[executor] = Sent(before.requests + 1, before.pages + pages, before.full)
+        self._count(executor, 1, pages)
 
     def asking(self, executor: str) -> None:
         """An admission is on its way to `executor`: counted as a request sent, whatever reports come meanwhile,
         until admitted() or not_admitted()."""
         self._asking[executor] = self._asking.get(executor, 0) + 1
-        before = self._totals.get(executor, NOTHING_SENT)
-        self._totals[executor] = Sent(before.requests + 1, before.pages, before.full)
+        self._count(executor, 1, 0)
 
     def admitted(self, executor: str, at: float, pages: int) -> None:
         """The admission asked of `executor` was accepted at `at`: sent, as add() counts it."""
         self._answered(executor)
         self._sent.setdefault(executor, []).append((at, pages))
-        before = self._totals[executor]
-        self._totals[executor] = Sent(before.requests, before.pages + pages, before.full)
+        self._count(executor, 0, pages)
 
     def not_admitted(self, executor: str) -> None:
         """The admission asked of `executor` was refused, or no answer came: nothing was sent it."""
         self._answered(executor)
-        before = self._totals[executor]
-        self._totals[executor] = Sent(before.requests - 1, before.pages, before.full)
+        self._count(executor, -1, 0)
         # Routing keeps a heap that only a rising load may leave stale (_least_loaded): a new view rebuilds it.
         self._view = MappingProxyType(self._totals)
+
+    def refused(self, executor: str, at: float) -> None:
+        """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""
+        self._refused[executor] = at
+        self._count(executor, 0, 0, full=True)
 
     def _answered(self, executor: str) -> None:
         if (asking := self._asking[executor] - 1) == 0:
@@ -81,11 +83,9 @@ class Unreported:
         else:
             self._asking[executor] = asking
 
-    def refused(self, executor: str, at: float) -> None:
-        """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""
-        self._refused[executor] = at
+    def _count(self, executor: str, requests: int, pages: int, full: bool = False) -> None:
         before = self._totals.get(executor, NOTHING_SENT)
-        self._totals[executor] = Sent(before.requests, before.pages, True)
+        self._totals[executor] = Sent(before.requests + requests, before.pages + pages, before.full or full)
 
     def forget_reported(self, state: ClusterState) -> None:
         """Drop what each executor's report in `state` already counts: sent before it was taken. Executors

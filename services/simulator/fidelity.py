@@ -76,6 +76,16 @@ def repeatability(runs: list[dict]) -> dict:
     return mean_errors([compare(later, earlier) for earlier, later in itertools.combinations(runs, 2)])
 
 
+def fidelity(simulated: dict, paths: list, runs: list[dict]) -> dict:
+    """results.json's "fidelity": the simulation against the first measured run (of `paths`), window by window;
+    with several runs of one command, against each and the runs against one another."""
+    out = {"measured": str(paths[0]), "modes": compare(simulated, runs[0])}
+    if len(runs) > 1:
+        out |= {"runs": [str(p) for p in paths], "against_each": mean_errors([compare(simulated, r) for r in runs]),
+                "repeatability": repeatability(runs)}
+    return out
+
+
 def print_errors(title: str, errors: dict) -> None:
     """A table of mean |error| per mode and key ({mode: {key: error}})."""
     print(title)

@@ -42,8 +42,8 @@ from services.bench.report import comparison, mode_summary, model_summaries, pri
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation, no_cycle_collection
-from services.simulator.fidelity import (compare, decode_steps, mean_errors, print_decode_steps, print_errors,
-                                        print_fidelity, print_tp_steps, repeatability, tp_steps)
+from services.simulator.fidelity import (decode_steps, fidelity, print_decode_steps, print_errors, print_fidelity,
+                                        print_tp_steps, tp_steps)
 from services.simulator.executor import SimRequest
 from services.simulator.fleet import DEFAULT_MODEL, Fleet, FleetError, read_fleet
 from shared.config import ControllerConfig, MonitorConfig, data_dir
@@ -330,16 +330,6 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
     del simulation
     gc.collect()  # the mode's cluster: its instances and merge room hold cycles
     return results
-
-
-def fidelity(report: dict, paths: list[Path], runs: list[dict]) -> dict:
-    """The simulation against the first measured run, window by window; with several, against each and the runs
-    against one another."""
-    out = {"measured": str(paths[0]), "modes": compare(report, runs[0])}
-    if len(runs) > 1:
-        out |= {"runs": [str(p) for p in paths], "against_each": mean_errors([compare(report, r) for r in runs]),
-                "repeatability": repeatability(runs)}
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,7 +175,6 @@ class ExecutorConfig:
     telemetry_interval_s: float = 0.1
     latency_window_s: float = 10.0  # queue delay / TTFT / TPOT averages are over this window
     outbox_limit: int = 4096  # sends the engine thread may have queued and unsent before it waits
-    pending_admissions: int | None = None  # admissions queued for the engine thread; None: 4 x max_waiting
     flush_timeout_s: float = 5.0  # at stop, how long the sends still queued may take before they are dropped
     # Once the bus has been gone this long, every request in flight is aborted: nobody can receive its
     # tokens any more, and its pages are better freed for the requests that come after the reconnect.
@@ -187,19 +186,10 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.outbox_limit < 1:
             raise ValueError(f"outbox_limit must be at least 1 send, got {self.outbox_limit}")
-        if self.admission_limit < 0:
-            raise ValueError(f"pending_admissions must not be negative, got {self.admission_limit}")
         if not self.bus_outage_s > 0:
             raise ValueError(f"bus_outage_s must be more than 0 seconds, got {self.bus_outage_s}")
         if not self.max_queue_wait_s >= 0:
             raise ValueError(f"max_queue_wait_s must not be negative, got {self.max_queue_wait_s}")
-
-    @property
-    def admission_limit(self) -> int:
-        """Admissions that may wait for the engine thread. A burst several times the engine's waiting queue
-        would mostly be refused by the engine anyway, so the default lets any burst reach that (exact)
-        bound while the prompts held in the backlog stay bounded."""
-        return self.engine.max_waiting * 4 if self.pending_admissions is None else self.pending_admissions
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,10 @@ ADMISSION_EXPIRED = "admission_expired"
 # ErrorInfo.code of a completion ended because the instance computing it lost a member: the gateway moves
 # a request that has streamed nothing yet to another instance, and ends one that has with this error.
 INSTANCE_BROKEN = "instance_broken"
+# ErrorInfo.code of a completion ended before it started: its executor answered the admission at once but could
+# not add the request by the time its engine thread reached it (it joined another's instance, stopped, or holds
+# less KV since). Nothing of it was generated, so the gateway moves it to another executor.
+NOT_STARTED = "not_started"
 # ErrorInfo.code of an admission refused because the request's KV (prompt plus max_tokens, else up to
 # max_model_len) is more than the instance holds even empty: the gateway has instances merged for it
 # (AMOEBAs) instead of answering 400. The Admission's prompt_tokens says how long its prompt is.

@@ -8,11 +8,19 @@ turns into a 429 with Retry-After) when that is longer than `max_queue_wait_s`.
 
 The prediction is deliberately forgiving where it knows nothing: an empty queue never waits, and with
 no departure seen lately (a fresh or idle executor) the rate is unknown, so the request is admitted
-and only the queue's length bounds it.
+and only the queue's length bounds it. Nor is a request ahead that the next step starts in a free
+batch slot a wait: counted as one, a few requests sent together to an idle executor after a slow
+minute were refused each other's wait.
 """
 
 import time
 from collections import deque
+
+
+def waiting_ahead(waiting: int, running: int, max_num_seqs: int) -> int:
+    """Of `waiting` requests, those a new one waits behind: the ones beyond the batch slots that `running`
+    sequences leave free for the next step."""
+    return max(0, waiting - max(0, max_num_seqs - running))
 
 
 def predicted_wait_s(ahead: int, departures: int, span_s: float) -> float | None:

@@ -1,10 +1,11 @@
 """The executor's one way out: what the engine thread sends leaves in the order it was queued.
 
 A request's Admission reply must be written before its first TokenBatch, and each request's deltas
-in step order, so every send of the engine thread goes through this one queue, drained by one task
-on the asyncio loop. The queue is bounded with backpressure on the engine: when `limit` sends are
-queued and unsent, `put` waits until the bus catches up, so a slow bus slows generation instead of
-growing memory, and nothing is dropped or reordered. At stop the engine thread is never made to wait
+in step order, so every send of the engine thread, and the admission answers the loop gives, go
+through this one queue, drained by one task on the asyncio loop. The queue is bounded with
+backpressure on the engine: when `limit` sends are queued and unsent, `put` waits until the bus
+catches up, so a slow bus slows generation instead of growing memory, and nothing is dropped or
+reordered. At stop the engine thread is never made to wait
 (the bus may be what is stuck), and what is still queued gets `flush_timeout_s` to leave.
 
 While the bus is down, nats-py keeps sends for the reconnect until its buffer is full and then refuses
@@ -48,6 +49,14 @@ class Outbox:
             self._room.wait_for(lambda: self._unsent < self.limit or self._closing)
             self._unsent += 1
         self._loop.call_soon_threadsafe(self._queue.put_nowait, send)
+
+    def put_nowait(self, send: Send) -> None:
+        """From the asyncio loop, which must never wait here (it runs the publisher that makes room): queue
+        `send` behind everything queued before it. The loop sends one answer per message it took, so the
+        bus's own pace bounds these."""
+        with self._room:
+            self._unsent += 1
+        self._queue.put_nowait(send)
 
     def stop_waiting(self) -> None:
         """From now on `put` never blocks: the last sends of a stopping engine must not wait for a bus

@@ -14,11 +14,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 
-from services.executor.engine.errors import EngineError, QueueFullError
+from services.executor.engine.errors import EngineError
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
-from services.executor.worker import EngineWorker, rejection
+from services.executor.worker import EngineWorker
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
@@ -106,7 +106,7 @@ class ExecutorService:
         self._subs: list = []
         self._read_gpu: Callable[[int], GpuStats | None] | None = None
         self.worker = EngineWorker(engine, self.id, self.model_name, config.latency_window_s,
-                                   config.admission_limit, self._outbox.put, self._publish,
+                                   self._outbox.put, self._outbox.put_nowait, self._publish,
                                    max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken,
                                    on_pressure=self._on_pressure)
         self._pressure = asyncio.Event()
@@ -159,18 +159,7 @@ class ExecutorService:
 
     # --- bus handlers -------------------------------------------------------------------------
     async def _on_infer(self, incoming: Incoming) -> None:
-        if self.draining:
-            await incoming.reply(rejection(self.id, incoming.message, "unavailable", "executor is draining"))
-            return
-        if (member := self.worker.following) is not None:
-            await incoming.reply(rejection(self.id, incoming.message, "unavailable", f"{self.id} follows "
-                                           f"{member.leader} in instance {member.plan.id}: requests go to the leader"))
-            return
-        try:
-            self.worker.admit(incoming.message, incoming)
-        except QueueFullError as exc:
-            self.worker.count_rejection()
-            await incoming.reply(rejection(self.id, incoming.message, "queue_full", str(exc)))
+        self.worker.admit(incoming.message, incoming)
 
     async def _on_cancel(self, incoming: Incoming) -> None:
         self.worker.cancel(incoming.message.request_id)

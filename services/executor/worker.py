@@ -1,28 +1,37 @@
-"""The engine thread: the only code that touches the engine once the executor serves.
+"""The engine thread: the only code that changes the engine once the executor serves.
 
 Torch work blocks, so the engine runs in one dedicated thread; the asyncio side only submits
-operations (admit, cancel, abort-all) and reads the `snapshot` this thread refreshes after every
-iteration, the latencies of the requests finished since its last telemetry report (each handed out once)
-and how busy the thread is stepping. What the thread sends goes through `send`, the service's single
-ordered outbox, so a request's Admission reply is written before its first TokenBatch and each request's
-deltas leave in step order.
+operations (add, cancel, abort-all), checks admissions against the engine without changing it, and
+reads the `snapshot` this thread refreshes after every iteration, the latencies of the requests
+finished since its last telemetry report (each handed out once) and how busy the thread is stepping.
+Both sides send through the service's single ordered outbox, so a request's Admission reply is
+written before its first TokenBatch and each request's deltas leave in step order.
 
 The gateway is promised exactly one finished delta per completion it waits for (all n, or those a
 resumed request continues). The engine emits a single index-0 delta when a request with n > 1 is
 aborted or expires before it forked, so the missing indices are filled in here.
 
+An admission is answered at once, on the asyncio side, and never waits for a step: a prefill step or a
+layer swap can outlast the gateway's admission timeout, and a request refused for that is refused for
+nothing (vLLM's front end validates and queues a request the same way, without its engine). The answer
+reads what the engine thread leaves in the `snapshot` and the engine's own `check_request`, which
+changes nothing; an accepted request is then added by the engine thread between two steps. Should the
+engine have changed by then so that it cannot take it after all (it joined another's instance, or holds
+less KV after a restore), the request ends before its first token with code NOT_STARTED, and the
+gateway moves it elsewhere.
+
 Operations wait for the thread between two steps, each kind bounded by what holding and losing it
-costs. Admissions carry prompts and arrive as fast as gateways send them, so at most
-`pending_admissions` may wait; one more is refused at once with queue_full, which sends the gateway to
-another executor (or the client a 429). Cancels are never refused, since a lost cancel keeps
+costs. Accepted requests wait there as the waiting queue's newest, so the queue's bounds (its length,
+`max_waiting`, and the predicted wait) count them, and one more is refused at once with queue_full,
+which sends the gateway to another executor (or the client a 429). Cancels are never refused, since a lost cancel keeps
 generating for a client that left; they wait as a set of request ids, so repeats collapse and the set
 holds no more than the distinct ids cancelled between two iterations. Command calls are rare and each
 is awaited by its caller, so they need no bound.
 
 A gateway that stopped waiting for an admission (its request/reply timed out) cancels it, and the
-request must then never run behind its client's back. The admission may still be queued here, or even
-arrive after the cancel: a cancel that finds nothing is remembered (a bounded number of them) and
-refuses the admission when it comes, and an admission reached after its `admit_by` is refused too.
+request must then never run behind its client's back. The admission may arrive after the cancel: a
+cancel that finds nothing is remembered (a bounded number of them) and refuses the admission when it
+comes, and an admission reached after its `admit_by` is refused too.
 """
 
 import concurrent.futures
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry.context import Context
 
-from services.executor.admission import Departures, admits, predicted_wait_s
+from services.executor.admission import Departures, admits, predicted_wait_s, waiting_ahead
 from services.executor.engine.errors import KvCapacityError, QueueFullError
 from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.fabric import step as wire
@@ -51,8 +60,8 @@ from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import BusError, Incoming
 from shared.errors import InvalidCommandError, InvalidRequestError
-from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, Admission, Cancel, ErrorInfo,
-                             GenerateRequest, Message, TokenBatch, TokenDelta, pressure_events)
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, NOT_STARTED, Admission, Cancel,
+                             ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta, pressure_events)
 from shared.telemetry import RECORD_CONTENT
 
 log = logging.getLogger(__name__)
@@ -70,13 +79,15 @@ Send = Callable[[Callable[[], Awaitable[None]]], None]
 @dataclass(frozen=True)
 class Snapshot:
     """What the asyncio side may read about the engine, replaced whole by the engine thread."""
-    stats: object  # EngineStats
-    in_flight: int  # admitted requests not yet finished
+    stats: object  # EngineStats, its `waiting` counting the accepted requests not yet added
+    in_flight: int  # accepted requests not yet finished
     layers: list[int]  # bits per decoder layer, never read halfway through a swap
     max_num_seqs: int  # the scheduler's batch cap now
     pages_growth: int  # KV pages the running sequences still take (engine/scheduling/growth.py)
     longest_blocks: int = 0  # KV blocks the longest sequence running or waiting takes at its end
     kv_units: dict[int, int] = field(default_factory=dict)  # TP degree -> KV head units (merge.kv_units)
+    departures: tuple[int, float] = (0, 0.0)  # Departures.recent(): requests that left the waiting queue lately
+    accepted: int = 0  # requests accepted by then (EngineWorker._accepted); stats.waiting counts those not added
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
 
 
@@ -94,13 +105,15 @@ def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
 
 
 class EngineWorker:
-    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, pending_admissions: int,
-                 send: Send, publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
+    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, send: Send, answer: Send,
+                 publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
                  on_broken: Callable[[Exception], None] = lambda exc: None,
                  on_pressure: Callable[[], None] = lambda: None):
-        """`on_broken` is called (from the engine thread) once the instance this engine leads loses a member;
-        `on_pressure` (from the engine thread) after a step that preempted, left the queue's head waiting for KV
-        pages, or followed a refusal for a full queue: the controller should hear of those at once."""
+        """`send` queues what the engine thread sends (it may wait for room), `answer` what the asyncio side
+        sends (it never waits), both in one order. `on_broken` is called (from the engine thread) once the
+        instance this engine leads loses a member; `on_pressure` (from the engine thread) after a step that
+        preempted, left the queue's head waiting for KV pages, or followed a refusal for a full queue: the
+        controller should hear of those at once."""
         self.engine = engine
         self.broken = False
         self._on_broken = on_broken
@@ -116,13 +129,15 @@ class EngineWorker:
         self.tpot = LatencyWindow(latency_window_s)
         self.finished = FinishedSamples()  # drained by each telemetry report
         self.busy = BusyWindow(BUSY_WINDOW_S)
-        self._send, self._publish = send, publish
+        self._send, self._answer, self._publish = send, answer, publish
         self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._pending_admissions = pending_admissions
-        self._admission_slots = threading.BoundedSemaphore(pending_admissions)  # one per queued admission
+        # Requests accepted (asyncio side) and added or dropped (engine thread), counted for ever: those
+        # accepted and not yet added wait as much as those in the engine's queue.
+        self._accepted = 0
+        self._added = 0
         self._cancels: set[str] = set()
         self._cancels_lock = threading.Lock()
-        self._unmatched_cancels: OrderedDict[str, None] = OrderedDict()  # engine thread only
+        self._unmatched_cancels: OrderedDict[str, None] = OrderedDict()  # under _cancels_lock
         self.max_queue_wait_s = max_queue_wait_s
         self._departures = Departures(latency_window_s)  # requests leaving the waiting queue
         self._tracked: dict[str, TrackedRequest] = {}
@@ -150,10 +165,61 @@ class EngineWorker:
         self._thread.join()
 
     def admit(self, req: GenerateRequest, incoming: Incoming) -> None:
-        """Queue `req` for the engine thread, which replies; QueueFullError when too many already wait."""
-        if not self._admission_slots.acquire(blocking=False):
-            raise QueueFullError(self._pending_admissions, self._pending_admissions)
-        self._ops.put(lambda: self._admit(req, incoming))
+        """Answer `req`'s admission now, through the outbox (so the answer leaves before its first tokens);
+        an accepted request is queued for the engine thread to add."""
+        admission, prompt = self._admission(req)
+        self._answer(lambda: incoming.reply(admission))
+        if prompt is not None:
+            self._accepted += 1
+            accepted = time.time()
+            self._ops.put(lambda: self._add(req, prompt, incoming, accepted))
+
+    def _admission(self, req: GenerateRequest) -> tuple[Admission, tuple[str | list[int], list[int]] | None]:
+        """The answer, and for an accepted request its prompt as rendered and as token ids."""
+        if self.draining or self._stop.is_set():
+            return rejection(self.executor, req, "unavailable", "executor is draining"), None
+        if self.following is not None:
+            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.following.leader} in "
+                             f"instance {self.following.plan.id}: requests go to the leader"), None
+        with self._cancels_lock:
+            cancelled = req.request_id in self._unmatched_cancels
+            if cancelled:
+                del self._unmatched_cancels[req.request_id]
+        if cancelled:
+            return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
+                             code="cancelled"), None
+        if req.admit_by is not None and (late := time.time() - req.admit_by) > 0:
+            return rejection(self.executor, req, "unavailable",
+                             f"the admission was reached {late:.2f} s after the gateway stopped waiting for it",
+                             code=ADMISSION_EXPIRED), None
+        snapshot = self.snapshot
+        waiting = snapshot.stats.waiting + self._accepted - snapshot.accepted
+        ahead = waiting_ahead(waiting, snapshot.stats.running, snapshot.max_num_seqs)
+        # A request moving here mid-stream has a client already reading it: it is not refused for the wait.
+        if not req.resume and not admits(ahead, *snapshot.departures, self.max_queue_wait_s):
+            self.count_rejection()
+            wait = predicted_wait_s(ahead, *snapshot.departures)
+            return rejection(self.executor, req, "queue_full",
+                             f"the waiting queue would hold the request about {wait:.0f} s ({ahead} requests "
+                             f"ahead), longer than the {self.max_queue_wait_s:g} s bound"), None
+        if waiting >= (max_waiting := self.engine.scheduler.max_waiting):
+            self.count_rejection()
+            return rejection(self.executor, req, "queue_full", str(QueueFullError(waiting, max_waiting))), None
+        try:
+            prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
+            prompt_ids = self.engine.check_request(prompt, req.sampling, req.resume)
+        except InvalidRequestError as exc:
+            refused = rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
+        except KvCapacityError as exc:
+            refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
+            refused = refused.model_copy(update={"prompt_tokens": exc.prompt_tokens})
+        except Exception as exc:
+            log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
+            refused = rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
+        else:
+            return Admission(request_id=req.request_id, executor=self.executor, accepted=True,
+                             prompt_tokens=len(prompt_ids)), (prompt, prompt_ids)
+        return refused, None
 
     def cancel(self, request_id: str) -> None:
         with self._cancels_lock:
@@ -215,10 +281,13 @@ class EngineWorker:
         scheduler = self.engine.scheduler
         longest = max((self.engine.kv_blocks_at_end(len(s.prompt_ids), s.params.max_tokens)
                        for s in [*scheduler.running, *scheduler.waiting]), default=0)
-        return Snapshot(self.engine.stats(), len(self._tracked), list(self.engine.model.layer_bits),
+        accepted = self._accepted
+        stats = self.engine.stats()
+        stats = replace(stats, waiting=stats.waiting + accepted - self._added)
+        return Snapshot(stats, len(self._tracked) + accepted - self._added, list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
-                        self._units())
+                        self._units(), self._departures.recent(), accepted)
 
     def _report_pressure(self) -> None:
         stats = self.snapshot.stats
@@ -251,9 +320,10 @@ class EngineWorker:
                 if (elsewhere := self._moved.get(request_id)) is not None:  # a TP merge or split moved it
                     self._forward_cancel(elsewhere, request_id)
                 else:  # finished already, or its admission not here yet
-                    self._unmatched_cancels[request_id] = None
-                    while len(self._unmatched_cancels) > UNMATCHED_CANCEL_MEMORY:
-                        self._unmatched_cancels.popitem(last=False)
+                    with self._cancels_lock:
+                        self._unmatched_cancels[request_id] = None
+                        while len(self._unmatched_cancels) > UNMATCHED_CANCEL_MEMORY:
+                            self._unmatched_cancels.popitem(last=False)
             except Exception:
                 log.exception("executor %s: cancelling %s failed", self.executor, request_id)
 
@@ -272,56 +342,42 @@ class EngineWorker:
             except queue.Empty:
                 return
 
-    def _admit(self, req: GenerateRequest, incoming: Incoming) -> None:
-        self._admission_slots.release()  # out of the queue: another admission may take its place
-        admission = self._try_admit(req, incoming)
-        self._send(lambda: incoming.reply(admission))
-
-    def _try_admit(self, req: GenerateRequest, incoming: Incoming) -> Admission:
-        if self.draining or self._stop.is_set():
-            return rejection(self.executor, req, "unavailable", "executor is draining")
-        if self.following is not None:
-            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.following.leader} "
-                                                                f"in instance {self.following.plan.id}")
-        if req.request_id in self._unmatched_cancels:
-            del self._unmatched_cancels[req.request_id]
-            return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
-                             code="cancelled")
-        if req.admit_by is not None and (late := time.time() - req.admit_by) > 0:
-            return rejection(self.executor, req, "unavailable",
-                             f"the admission was reached {late:.2f} s after the gateway stopped waiting for it",
-                             code=ADMISSION_EXPIRED)
-        ahead = len(self.engine.scheduler.waiting)
-        departures, span_s = self._departures.recent()
-        # A request moving here mid-stream has a client already reading it: it is not refused for the wait.
-        if not req.resume and not admits(ahead, departures, span_s, self.max_queue_wait_s):
-            self.count_rejection()
-            wait = predicted_wait_s(ahead, departures, span_s)
-            return rejection(self.executor, req, "queue_full",
-                             f"the waiting queue would hold the request about {wait:.0f} s ({ahead} requests "
-                             f"ahead), longer than the {self.max_queue_wait_s:g} s bound")
-        try:
-            prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
-            params = req.sampling
-            admitted = time.time()
-            prompt_len = self.engine.add_request(req.request_id, prompt, params, deadline=req.deadline,
-                                                 arrival_time=admitted, resume=req.resume)
-        except InvalidRequestError as exc:
-            return rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
-        except KvCapacityError as exc:
-            refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
-            return refused.model_copy(update={"prompt_tokens": exc.prompt_tokens})
-        except QueueFullError as exc:
-            self.count_rejection()
-            return rejection(self.executor, req, "queue_full", str(exc))
-        except Exception as exc:
-            log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
-            return rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
+    def _add(self, req: GenerateRequest, prompt: tuple[str | list[int], list[int]], incoming: Incoming,
+             accepted: float) -> None:
+        """Add a request accepted on the asyncio side, unless the engine can no longer take it (NOT_STARTED) or
+        its gateway cancelled it meanwhile (then nobody waits for it)."""
+        self._added += 1
+        with self._cancels_lock:
+            cancelled = req.request_id in self._unmatched_cancels
+            if cancelled:
+                del self._unmatched_cancels[req.request_id]
+        if cancelled:
+            return
+        text, prompt_ids = prompt
+        if self.broken or self._stop.is_set():
+            reason = "it stopped serving"
+        elif self.following is not None:
+            reason = f"it joined instance {self.following.plan.id}"
+        else:
+            try:
+                self.engine.add_request(req.request_id, prompt_ids, req.sampling, deadline=req.deadline,
+                                        arrival_time=accepted, resume=req.resume)
+                reason = None
+            except Exception as exc:  # KvCapacityError after a restore, and the like: the engine changed
+                reason = str(exc)
+        if reason is not None:
+            log.info("executor %s: %s accepted but not started: %s", self.executor, req.request_id, reason)
+            error = ErrorInfo(type="unavailable", message=f"{self.executor} could not start the request: {reason}",
+                              code=NOT_STARTED)
+            self._publish_batch(req.gateway, [TokenDelta(
+                request_id=req.request_id, index=index, token_ids=[], text="", timestamps=[], finished=True,
+                finish_reason="error", prompt_tokens=len(prompt_ids), output_tokens=0, error=error)
+                for index in owed_indices(req)])
+            return
         self._tracked[req.request_id] = TrackedRequest(
-            req.request_id, req.gateway, owed_indices(req), prompt_len, self.model_name, params.max_tokens,
-            params.temperature, incoming.trace_context, admitted,
-            prompt_text=prompt if RECORD_CONTENT and isinstance(prompt, str) else None)
-        return Admission(request_id=req.request_id, executor=self.executor, accepted=True, prompt_tokens=prompt_len)
+            req.request_id, req.gateway, owed_indices(req), len(prompt_ids), self.model_name,
+            req.sampling.max_tokens, req.sampling.temperature, incoming.trace_context, accepted,
+            prompt_text=text if RECORD_CONTENT and isinstance(text, str) else None)
 
     def _step(self) -> None:
         try:

@@ -33,8 +33,8 @@ from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
 from shared.commands import CommandSender
 from shared.config import GatewayConfig
-from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, Admission, Cancel, ClusterState,
-                             ErrorInfo, GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
+from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, NOT_STARTED, Admission, Cancel,
+                             ClusterState, ErrorInfo, GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
 from shared.tp_scheduler import MAX_TP, instances_from
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,9 @@ def slow_consumer(buffer: int) -> ApiError:
                        "the request was cancelled", "slow_consumer")
 
 
-def _instance_broke(delta: TokenDelta) -> bool:
-    return delta.finished and delta.error is not None and delta.error.code == INSTANCE_BROKEN
+def _ended_elsewhere(delta: TokenDelta) -> bool:
+    """Ended for its instance's sake, not its own: another instance can take it if nothing reached the client."""
+    return delta.finished and delta.error is not None and delta.error.code in (INSTANCE_BROKEN, NOT_STARTED)
 
 
 def finish_error(delta: TokenDelta) -> ApiError:
@@ -131,8 +132,8 @@ def finish_error(delta: TokenDelta) -> ApiError:
         return ApiError(504, "the request did not finish before its deadline", "timeout", None, "deadline_exceeded")
     if delta.finish_reason == "abort":
         return unavailable("the executor aborted the request", "aborted")
-    if _instance_broke(delta):
-        return unavailable(delta.error.message, INSTANCE_BROKEN)
+    if _ended_elsewhere(delta):
+        return unavailable(delta.error.message, delta.error.code)
     message = delta.error.message if delta.error else "the executor failed the request"
     return ApiError(500, message, "server_error", None, "internal_error")
 
@@ -377,7 +378,7 @@ class Dispatcher:
             if item is LOST:
                 await self._fail_over(ticket)
                 continue
-            if _instance_broke(item) and not any(ticket.sent_tokens.values()):
+            if _ended_elsewhere(item) and not any(ticket.sent_tokens.values()):
                 # Nothing reached the client yet: another instance (a survivor, once it serves alone) starts it.
                 await self._fail_over(ticket)
                 continue
@@ -404,7 +405,7 @@ class Dispatcher:
                               f"{ticket.moves} times", "executor_lost")
         ticket.moves += 1
         request = ticket.request.model_copy(update={"resume": ticket.resume()})
-        log.warning("executor %s lost %s after %d tokens: moving it", lost, ticket.request_id,
+        log.warning("executor %s lost or gave up %s after %d tokens: moving it", lost, ticket.request_id,
                     sum(map(len, ticket.sent_tokens.values())))
         give_up = time.monotonic() + self.config.failover_timeout_s
         while True:

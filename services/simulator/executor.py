@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from services.executor.admission import Departures, admits
+from services.executor.admission import Departures, admits, waiting_ahead
 from services.executor.engine.errors import KvCapacityError, OutOfPagesError, QueueFullError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
@@ -224,7 +224,9 @@ class SimExecutor(MemberArena):
             raise FollowerRefusal(f"{self.id} follows {self.group.leader.id} in instance {self.group.plan.id}: "
                                   f"requests go to the leader")
         departures, span_s = self.departures.recent(now)
-        if not admits(len(self.scheduler.waiting), departures, span_s, self.max_queue_wait_s):
+        scheduler = self.scheduler
+        ahead = waiting_ahead(len(scheduler.waiting), len(scheduler.running), scheduler.max_num_seqs)
+        if not admits(ahead, departures, span_s, self.max_queue_wait_s):
             self.rejected += 1
             raise QueueFullError(len(self.scheduler.waiting), self.limits.max_waiting)
         blocks, capacity = self.blocks_at_end(request.prompt_tokens, request.output_tokens), self.kv_capacity()

@@ -91,9 +91,8 @@ def test_a_request_longer_than_an_executor_holds_merges_two_into_tp2_and_they_sp
     want_short, want_long = reference(long_prompt)
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    # While the merged leader prefills the long prompt (seconds on this CPU) it may not answer a short's
-    # admission within admission_timeout_s: the gateway then says 429, retry later, and the shorts' client
-    # retries as the official client does by default.
+    # The shorts' client retries a 429 as the official client does by default: while the two executors merge,
+    # a short may find no queue to take it for a moment.
     short_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2, timeout=300)
     shorts: list[tuple[int, str, float, float]] = []  # prompt, text, start, end
     stop = threading.Event()

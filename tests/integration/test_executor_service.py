@@ -187,6 +187,25 @@ def test_cancel_mid_generation_aborts_and_frees_pages(nats_server, smol):
     asyncio.run(scenario())
 
 
+def test_an_admission_is_answered_while_the_engine_prefills_a_long_prompt(nats_server, smol):
+    long_prompt = [(7 * k) % 5000 + 100 for k in range(500)]  # one prefill step, most of a second on a CPU
+    few = SamplingOptions(max_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        async with serving(nats_server.url, smol) as (service, gw):
+            generated = smol.stats().generated_tokens
+            assert (await gw.admit("long", prompt=long_prompt, sampling=few)).accepted
+            while not smol.scheduler.running:  # its prefill step has begun
+                await asyncio.sleep(0.001)
+            short = await gw.admit("short", prompt="Hello", sampling=few, timeout=5)
+            # Answered during that step, not after it: the step's token was not generated yet.
+            assert short.accepted and smol.stats().generated_tokens == generated
+            for request_id in ("long", "short"):
+                assert (await gw.finished(request_id))[-1].output_tokens == 4
+
+    asyncio.run(scenario())
+
+
 def test_a_flood_overflows_the_waiting_queue(nats_server, tiny):
     async def scenario():
         async with serving(nats_server.url, tiny) as (service, gw):

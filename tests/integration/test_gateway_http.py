@@ -18,7 +18,7 @@ from services.gateway.app import Gateway, create_app
 from shared import subjects
 from shared.bus import Bus
 from shared.config import GatewayConfig
-from shared.messages import (INSTANCE_BROKEN, Admission, Cancel, ClusterState, ErrorInfo, ExecutorState,
+from shared.messages import (INSTANCE_BROKEN, NOT_STARTED, Admission, Cancel, ClusterState, ErrorInfo, ExecutorState,
                              ExecutorTelemetry, GenerateRequest, KvPages, TokenBatch, TokenDelta)
 from tests.nats_server import free_port
 
@@ -379,9 +379,14 @@ def test_executor_death_mid_stream_is_an_sse_error_and_disconnect_cancels(start_
 
 BROKEN = ErrorInfo(type="internal_error", message="the instance lost a member while generating",
                    code=INSTANCE_BROKEN)
+# An executor that accepted the request, then could not add it (it joined an instance, or a restore took its KV).
+NOT_ADDED = ErrorInfo(type="unavailable", message="e0 could not start the request: it joined instance i0",
+                      code=NOT_STARTED)
 
 
-def test_a_request_whose_instance_broke_before_its_first_token_starts_again_on_another(start_gateway, test_bus):
+@pytest.mark.parametrize("ended", [BROKEN, NOT_ADDED], ids=["instance_broken", "not_started"])
+def test_a_request_whose_instance_broke_before_its_first_token_starts_again_on_another(start_gateway, test_bus,
+                                                                                       ended):
     base = start_gateway()
     tried = []
 
@@ -392,7 +397,7 @@ def test_a_request_whose_instance_broke_before_its_first_token_starts_again_on_a
         return Admission(request_id=req.request_id, executor="e0", accepted=False,
                          error=ErrorInfo(type="unavailable", message="executor is draining"))
 
-    test_bus.responder("e0", breaks_then_rebuilds, tokens=[], finish=False, error=BROKEN)
+    test_bus.responder("e0", breaks_then_rebuilds, tokens=[], finish=False, error=ended)
     test_bus.responder("e1", lambda req: Admission(request_id=req.request_id, executor="e1", accepted=True,
                                                    prompt_tokens=3), tokens=["ok"])
     test_bus.state(executor_state("e0", free=90), executor_state("e1", free=10))

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.executor.admission import Departures, admits, predicted_wait_s
+from services.executor.admission import Departures, admits, predicted_wait_s, waiting_ahead
 
 ahead = st.integers(min_value=0, max_value=10_000)
 departures = st.integers(min_value=0, max_value=10_000)
@@ -52,6 +52,14 @@ def test_the_wait_is_the_queue_over_the_rate_it_drains_at():
     # 20 requests left in the last 10 s: 2 per second, so 30 ahead take 15 s.
     assert predicted_wait_s(30, 20, 10.0) == 15.0
     assert admits(30, 20, 10.0, 15.0) and not admits(31, 20, 10.0, 15.0)
+
+
+@given(ahead, ahead, st.integers(min_value=1, max_value=512))
+def test_a_request_the_next_step_starts_is_not_a_wait_and_the_rest_are(waiting, running, max_num_seqs):
+    behind = waiting_ahead(waiting, running, max_num_seqs)
+    free = max(0, max_num_seqs - running)
+    assert behind == (0 if waiting <= free else waiting - free)
+    assert waiting_ahead(waiting + 1, running, max_num_seqs) >= behind  # never fewer behind a longer queue
 
 
 def test_departures_count_over_the_window_or_the_executors_life_when_shorter():

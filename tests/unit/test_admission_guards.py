@@ -3,19 +3,24 @@ queue refuses a wait longer than its bound, a bus outage frees every request's p
 refuses sends costs the requests it cut, not the service.
 
 The service runs on the tiny engine behind the stand-in bus of test_bounded_queues; holding the engine
-thread with a call makes admissions wait there, which is how they meet their admit_by or their cancel.
+thread with a call makes accepted requests wait there to be added, which is how they meet their cancel.
 """
 
 import asyncio
 import threading
 import time
 
-from services.executor.service import ExecutorService
+import pytest
+
+from services.executor.engine.engine import LLMEngine
+from services.executor.service import ExecutorService, morph
 from shared import subjects
 from shared.bus import BusUnavailable
-from shared.config import ExecutorConfig
-from shared.messages import ADMISSION_EXPIRED, Cancel
-from tests.unit.test_bounded_queues import EXEC, TIMEOUT_S, StubBus, finished, request, serve, until
+from shared.config import EngineConfig, ExecutorConfig
+from shared.messages import ADMISSION_EXPIRED, NOT_STARTED, Cancel, GenerateRequest, QuantizeArgs, RestoreArgs
+from shared.sampling import SamplingOptions
+from tests.checkpoints import write_tiny_llama3
+from tests.unit.test_bounded_queues import EXEC, GW, TIMEOUT_S, StubBus, finished, request, serve, until
 from tests.unit.test_bounded_queues import tiny  # noqa: F401 (the engine fixture, shared)
 
 
@@ -38,22 +43,54 @@ async def stop(service: ExecutorService, engine) -> None:
     assert engine.stats().ledger.pages_kv_used == 0
 
 
-def test_an_admission_reached_after_its_admit_by_is_refused_and_never_runs(tiny):
+def test_admissions_are_answered_while_the_engine_is_busy_and_one_reached_after_its_admit_by_is_refused(tiny):
     async def scenario():
         service, bus = await serve(tiny)
-        held = hold_engine(service)
-        late = request("late", 8).model_copy(update={"admit_by": time.time() + 0.2})
+        held = hold_engine(service)  # as a long prefill step or a layer swap would
+        late = request("late", 8).model_copy(update={"admit_by": time.time() - 0.1})  # held up on its way
         timely = request("timely", 8).model_copy(update={"admit_by": time.time() + 60})
         await bus.deliver(subjects.infer(EXEC), late)
         await bus.deliver(subjects.infer(EXEC), timely)
-        await asyncio.sleep(0.4)  # the gateway stopped waiting for "late" meanwhile
-        held.set()
-        await until(lambda: finished(bus, "timely"), "the timely request finishing")
+        await until(lambda: len(bus.admissions()) == 2, "both admissions answered while the engine thread is held")
         refused = bus.admissions()["late"]
         assert not refused.accepted and refused.error.code == ADMISSION_EXPIRED
         assert bus.admissions()["timely"].accepted
+        held.set()
+        await until(lambda: finished(bus, "timely"), "the timely request finishing")
         assert bus.deltas("late") == []
         await stop(service, tiny)
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def short_of_kv(tmp_path) -> LLMEngine:
+    """A tiny engine whose KV (36 blocks of 8 tokens) holds a longer sequence only with its layers at INT4."""
+    config = EngineConfig(model=str(write_tiny_llama3(tmp_path / "model")), memory_budget=1 << 20, block_size=8,
+                          max_model_len=512, min_kv_tokens=256)
+    return LLMEngine(config, progress=False)
+
+
+def test_a_request_accepted_before_a_restore_left_too_little_kv_for_it_ends_not_started(short_of_kv):
+    engine = short_of_kv
+    long = GenerateRequest(request_id="long", gateway=GW, prompt=[5 + k % 50 for k in range(320)],
+                           arrival_time=time.time(), sampling=SamplingOptions(max_tokens=8, ignore_eos=True))
+
+    async def scenario():
+        service, bus = await serve(engine)
+        await asyncio.wrap_future(service.worker.call(lambda: morph(engine, QuantizeArgs(layers=4, bits=4))))
+        held = hold_engine(service)
+        restored = service.worker.call(lambda: morph(engine, RestoreArgs(layers=4)))  # waits behind the hold
+        await bus.deliver(subjects.infer(EXEC), long)
+        await until(lambda: "long" in bus.admissions(), "the admission answered")
+        assert bus.admissions()["long"].accepted  # its 41 blocks fit the INT4 layers' KV
+        held.set()
+        await asyncio.wrap_future(restored)
+        await until(lambda: finished(bus, "long"), "the request ending")
+        [ended] = bus.deltas("long")  # the gateway moves it elsewhere: nothing of it was generated here
+        assert ended.finish_reason == "error" and ended.error.code == NOT_STARTED and ended.output_tokens == 0
+        assert "KV" in ended.error.message and service.worker.snapshot.in_flight == 0
+        await stop(service, engine)
 
     asyncio.run(scenario())
 
@@ -86,13 +123,17 @@ def test_a_request_predicted_to_wait_past_the_bound_is_refused_as_queue_full(tin
             await bus.deliver(subjects.infer(EXEC), request(r, 8))
         await until(lambda: finished(bus, "r0") and finished(bus, "r1"), "the first requests finishing")
         held = hold_engine(service)
-        await bus.deliver(subjects.infer(EXEC), request("first", 8))  # nobody ahead: admitted, whatever the rate
-        await bus.deliver(subjects.infer(EXEC), request("second", 8))  # one ahead, at ~2 per second: > 0.01 s
+        # The engine runs two sequences at once: the next step starts two requests, which the third waits behind
+        # as a queue's head does; the fourth waits behind that one too, at ~2 per second: > 0.01 s.
+        admitted = ("first", "second", "third")
+        for r in (*admitted, "fourth"):
+            await bus.deliver(subjects.infer(EXEC), request(r, 8))
         held.set()
-        await until(lambda: finished(bus, "first"), "the admitted request finishing")
-        assert bus.admissions()["first"].accepted
-        second = bus.admissions()["second"]
-        assert not second.accepted and second.error.type == "queue_full" and "bound" in second.error.message
+        await until(lambda: all(finished(bus, r) for r in admitted), "the admitted requests finishing")
+        assert all(bus.admissions()[r].accepted for r in admitted)
+        fourth = bus.admissions()["fourth"]
+        assert not fourth.accepted and fourth.error.type == "queue_full" and "bound" in fourth.error.message
+        assert "(1 requests ahead)" in fourth.error.message
         await stop(service, tiny)
 
     asyncio.run(scenario())

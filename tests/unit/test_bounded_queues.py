@@ -124,30 +124,33 @@ async def stalled(engine: LLMEngine) -> int:
 
 def test_admissions_beyond_the_bound_are_refused_at_once_and_no_cancel_is_lost(tiny):
     async def scenario():
-        service, bus = await serve(tiny, pending_admissions=3)
+        service, bus = await serve(tiny)
         entered, held = threading.Event(), threading.Event()
 
         def hold() -> None:
             entered.set()
             held.wait(TIMEOUT_S)
 
-        service.worker.call(hold)  # the engine thread is busy: what arrives now has to wait
+        service.worker.call(hold)  # the engine thread is busy: what is accepted now waits to be added
         await until(entered.is_set, "the engine thread taking the call")
-        for i, max_tokens in enumerate((200, 200, 8, 8)):
+        for i, max_tokens in enumerate((200, 200, *[8] * 7)):  # one more than the waiting queue's 8
             await bus.deliver(subjects.infer(EXEC), request(f"a{i}", max_tokens))
-        [refused] = bus.admissions().values()  # answered while the others still wait
-        assert refused.request_id == "a3" and not refused.accepted and refused.error.type == "queue_full"
+        await until(lambda: len(bus.admissions()) == 9, "every admission answered while the engine thread is busy")
+        assert [a.accepted for a in bus.admissions().values()] == [True] * 8 + [False]
+        refused = bus.admissions()["a8"]
+        assert refused.error.type == "queue_full" and "8/8" in refused.error.message
+        assert tiny.stats().waiting == 0  # none added yet: they count as waiting all the same
 
         for request_id in ["a0", "a1", "a0", *(f"gone{i}" for i in range(20)), "a1"]:
             await bus.deliver(subjects.cancel(EXEC), Cancel(request_id=request_id))
         held.set()
-        await until(lambda: all(finished(bus, r) for r in ("a0", "a1", "a2")), "the admitted requests finishing")
-        assert all(bus.admissions()[r].accepted for r in ("a0", "a1", "a2"))
-        assert [bus.deltas(r)[-1].finish_reason for r in ("a0", "a1", "a2")] == ["abort", "abort", "length"]
+        accepted = [f"a{i}" for i in range(8)]
+        await until(lambda: all(finished(bus, r) for r in accepted), "the admitted requests finishing")
+        assert [bus.deltas(r)[-1].finish_reason for r in accepted] == ["abort", "abort"] + ["length"] * 6
 
-        await bus.deliver(subjects.infer(EXEC), request("a4", 8))  # the slots came back
-        await until(lambda: finished(bus, "a4"), "a request admitted after the backlog")
-        assert bus.admissions()["a4"].accepted
+        await bus.deliver(subjects.infer(EXEC), request("a9", 8))  # the queue has room again
+        await until(lambda: finished(bus, "a9"), "a request admitted after the backlog")
+        assert bus.admissions()["a9"].accepted
         await service.stop(drain_timeout_s=5)
         assert tiny.stats().ledger.pages_kv_used == 0
 
@@ -165,10 +168,13 @@ def test_a_stalled_bus_stalls_generation_then_every_token_leaves_in_order(tiny):
         await bus.deliver(subjects.infer(EXEC), request("o", 200, **greedy))
         generated = await stalled(tiny) - before
         assert generated < 20 and not bus.sent  # held back by a full outbox, not generated ahead
+        # Answering an admission never waits for the outbox: the loop that answers is the one that empties it.
+        await bus.deliver(subjects.infer(EXEC), request("p", 8, **greedy))
 
         bus.gate.set()
-        await until(lambda: finished(bus, "o"), "the request finishing once the bus moves")
+        await until(lambda: finished(bus, "o") and finished(bus, "p"), "the requests finishing once the bus moves")
         assert bus.sent[0][0] == "reply" and bus.admissions()["o"].accepted  # the admission still goes first
+        assert bus.admissions()["p"].accepted
         deltas = bus.deltas("o")
         assert [t for d in deltas for t in d.token_ids] == want.outputs[0].token_ids
         assert [d.output_tokens for d in deltas] == sorted(d.output_tokens for d in deltas)

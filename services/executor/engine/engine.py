@@ -123,11 +123,28 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingOptions,
                     deadline: float | None = None, arrival_time: float | None = None,
                     resume: list[ResumedCompletion] | None = None) -> int:
-        """Admit a request; returns its prompt length. Raises InvalidRequestError or QueueFullError.
-        With `resume`, the request was started elsewhere: only the completions listed go on, each from
-        the tokens it already has (prefilled with the prompt, not generated again)."""
+        """Admit a request; returns its prompt length. Raises InvalidRequestError, KvCapacityError or
+        QueueFullError. With `resume`, the request was started elsewhere: only the completions listed go on,
+        each from the tokens it already has (prefilled with the prompt, not generated again)."""
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
+        prompt_ids = self.check_request(prompt, params, resume)
+        arrival = arrival_time or time.time()
+        if resume:
+            seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r) for r in resume]
+        else:
+            seqs = [Sequence(request_id, 0, prompt_ids, params, arrival, deadline, fork_into=params.n,
+                             generator=self._generator(params, 0))]
+            self._text[seqs[0].seq_id] = TextStream(self.tokenizer, prompt_ids, params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._requests[request_id] = seqs
+        return len(prompt_ids)
+
+    def check_request(self, prompt: str | list[int], params: SamplingOptions,
+                      resume: list[ResumedCompletion] | None = None) -> list[int]:
+        """The prompt's token ids if this engine, as it is now, can take the request; InvalidRequestError or
+        KvCapacityError if not. It changes nothing, so the executor asks it outside the engine thread."""
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got "
@@ -152,21 +169,11 @@ class LLMEngine:
         if blocks > capacity:
             raise KvCapacityError(len(prompt_ids), wanted if params.max_tokens else self.max_model_len, blocks,
                                   capacity)
-        arrival = arrival_time or time.time()
         if resume:
-            seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r)
-                    for r in self._checked_resume(resume, prompt_ids, params)]
-        else:
-            seqs = [Sequence(request_id, 0, prompt_ids, params, arrival, deadline, fork_into=params.n,
-                             generator=self._generator(params, 0))]
-            self._text[seqs[0].seq_id] = TextStream(self.tokenizer, prompt_ids, params)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        self._requests[request_id] = seqs
-        return len(prompt_ids)
+            self._check_resume(resume, prompt_ids, params)
+        return prompt_ids
 
-    def _checked_resume(self, resume: list[ResumedCompletion], prompt_ids: list[int],
-                        params: SamplingOptions) -> list[ResumedCompletion]:
+    def _check_resume(self, resume: list[ResumedCompletion], prompt_ids: list[int], params: SamplingOptions) -> None:
         indices = [r.index for r in resume]
         if len(set(indices)) != len(indices) or max(indices) >= params.n:
             raise InvalidRequestError(f"resume must name distinct completions below n={params.n}, got {indices}",
@@ -177,7 +184,6 @@ class LLMEngine:
                 raise InvalidRequestError(f"resumed token ids must be in [0, {vocab})", param="resume")
             if len(r.token_ids) >= (params.max_tokens or self.max_model_len - len(prompt_ids)):
                 raise InvalidRequestError(f"completion {r.index} already has all its tokens", param="resume")
-        return resume
 
     def _resumed(self, request_id: str, prompt_ids: list[int], params: SamplingOptions, arrival: float,
                  deadline: float | None, resumed: ResumedCompletion) -> Sequence:

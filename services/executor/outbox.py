@@ -5,8 +5,8 @@ in step order, so every send of the engine thread, and the admission answers the
 through this one queue, drained by one task on the asyncio loop. The queue is bounded with
 backpressure on the engine: when `limit` sends are queued and unsent, `put` waits until the bus
 catches up, so a slow bus slows generation instead of growing memory, and nothing is dropped or
-reordered. At stop the engine thread is never made to wait
-(the bus may be what is stuck), and what is still queued gets `flush_timeout_s` to leave.
+reordered. At stop the engine thread is never made to wait (the bus may be what is stuck), and what
+is still queued gets `flush_timeout_s` to leave.
 
 While the bus is down, nats-py keeps sends for the reconnect until its buffer is full and then refuses
 them (BusError): those are dropped, the outbox goes on, and the loss is logged once per run of

@@ -192,6 +192,17 @@ class EngineWorker:
             return rejection(self.executor, req, "unavailable",
                              f"the admission was reached {late:.2f} s after the gateway stopped waiting for it",
                              code=ADMISSION_EXPIRED), None
+        try:  # a bad request is told so (400) whatever the queue holds
+            prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
+            prompt_ids = self.engine.check_request(prompt, req.sampling, req.resume)
+        except InvalidRequestError as exc:
+            return rejection(self.executor, req, "invalid_request_error", str(exc), exc.param), None
+        except KvCapacityError as exc:
+            refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
+            return refused.model_copy(update={"prompt_tokens": exc.prompt_tokens}), None
+        except Exception as exc:
+            log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
+            return rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}"), None
         snapshot = self.snapshot
         waiting = snapshot.stats.waiting + self._accepted - snapshot.accepted
         ahead = waiting_ahead(waiting, snapshot.stats.running, snapshot.max_num_seqs)
@@ -205,21 +216,8 @@ class EngineWorker:
         if waiting >= (max_waiting := self.engine.scheduler.max_waiting):
             self.count_rejection()
             return rejection(self.executor, req, "queue_full", str(QueueFullError(waiting, max_waiting))), None
-        try:
-            prompt = render(self.engine.tokenizer, req.prompt, req.messages, req.chat_template_kwargs)
-            prompt_ids = self.engine.check_request(prompt, req.sampling, req.resume)
-        except InvalidRequestError as exc:
-            refused = rejection(self.executor, req, "invalid_request_error", str(exc), exc.param)
-        except KvCapacityError as exc:
-            refused = rejection(self.executor, req, "unavailable", str(exc), code=KV_CAPACITY)
-            refused = refused.model_copy(update={"prompt_tokens": exc.prompt_tokens})
-        except Exception as exc:
-            log.exception("executor %s: admitting %s failed", self.executor, req.request_id)
-            refused = rejection(self.executor, req, "internal_error", f"admission failed: {type(exc).__name__}")
-        else:
-            return Admission(request_id=req.request_id, executor=self.executor, accepted=True,
-                             prompt_tokens=len(prompt_ids)), (prompt, prompt_ids)
-        return refused, None
+        return Admission(request_id=req.request_id, executor=self.executor, accepted=True,
+                         prompt_tokens=len(prompt_ids)), (prompt, prompt_ids)
 
     def cancel(self, request_id: str) -> None:
         with self._cancels_lock:

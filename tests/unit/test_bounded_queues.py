@@ -139,6 +139,9 @@ def test_admissions_beyond_the_bound_are_refused_at_once_and_no_cancel_is_lost(t
         assert [a.accepted for a in bus.admissions().values()] == [True] * 8 + [False]
         refused = bus.admissions()["a8"]
         assert refused.error.type == "queue_full" and "8/8" in refused.error.message
+        await bus.deliver(subjects.infer(EXEC), request("bad", 8, n=3))  # more than the two it runs at once
+        await until(lambda: "bad" in bus.admissions(), "the bad request answered")
+        assert bus.admissions()["bad"].error.type == "invalid_request_error"  # told so, full queue or not
         assert tiny.stats().waiting == 0  # none added yet: they count as waiting all the same
 
         for request_id in ["a0", "a1", "a0", *(f"gone{i}" for i in range(20)), "a1"]:

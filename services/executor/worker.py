@@ -181,11 +181,7 @@ class EngineWorker:
         if self.following is not None:
             return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.following.leader} in "
                              f"instance {self.following.plan.id}: requests go to the leader"), None
-        with self._cancels_lock:
-            cancelled = req.request_id in self._unmatched_cancels
-            if cancelled:
-                del self._unmatched_cancels[req.request_id]
-        if cancelled:
+        if self._cancelled_before(req.request_id):
             return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
                              code="cancelled"), None
         if req.admit_by is not None and (late := time.time() - req.admit_by) > 0:
@@ -218,6 +214,14 @@ class EngineWorker:
             return rejection(self.executor, req, "queue_full", str(QueueFullError(waiting, max_waiting))), None
         return Admission(request_id=req.request_id, executor=self.executor, accepted=True,
                          prompt_tokens=len(prompt_ids)), (prompt, prompt_ids)
+
+    def _cancelled_before(self, request_id: str) -> bool:
+        """Whether a cancel came for `request_id` before it reached the engine (forgotten once asked)."""
+        with self._cancels_lock:
+            if request_id not in self._unmatched_cancels:
+                return False
+            del self._unmatched_cancels[request_id]
+            return True
 
     def cancel(self, request_id: str) -> None:
         with self._cancels_lock:
@@ -279,10 +283,10 @@ class EngineWorker:
         scheduler = self.engine.scheduler
         longest = max((self.engine.kv_blocks_at_end(len(s.prompt_ids), s.params.max_tokens)
                        for s in [*scheduler.running, *scheduler.waiting]), default=0)
-        accepted = self._accepted
-        stats = self.engine.stats()
-        stats = replace(stats, waiting=stats.waiting + accepted - self._added)
-        return Snapshot(stats, len(self._tracked) + accepted - self._added, list(self.engine.model.layer_bits),
+        accepted, stats = self._accepted, self.engine.stats()
+        if (not_added := accepted - self._added) > 0:
+            stats = replace(stats, waiting=stats.waiting + not_added)
+        return Snapshot(stats, len(self._tracked) + not_added, list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
                         self._units(), self._departures.recent(), accepted)
@@ -345,11 +349,7 @@ class EngineWorker:
         """Add a request accepted on the asyncio side, unless the engine can no longer take it (NOT_STARTED) or
         its gateway cancelled it meanwhile (then nobody waits for it)."""
         self._added += 1
-        with self._cancels_lock:
-            cancelled = req.request_id in self._unmatched_cancels
-            if cancelled:
-                del self._unmatched_cancels[req.request_id]
-        if cancelled:
+        if self._cancelled_before(req.request_id):
             return
         text, prompt_ids = prompt
         if self.broken or self._stop.is_set():

@@ -228,7 +228,7 @@ class SimExecutor(MemberArena):
         ahead = waiting_ahead(len(scheduler.waiting), len(scheduler.running), scheduler.max_num_seqs)
         if not admits(ahead, departures, span_s, self.max_queue_wait_s):
             self.rejected += 1
-            raise QueueFullError(len(self.scheduler.waiting), self.limits.max_waiting)
+            raise QueueFullError(len(scheduler.waiting), self.limits.max_waiting)
         blocks, capacity = self.blocks_at_end(request.prompt_tokens, request.output_tokens), self.kv_capacity()
         if blocks > capacity:
             raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,

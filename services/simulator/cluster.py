@@ -37,10 +37,11 @@ import gc
 import heapq
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from services.bench.client import CLUSTER_POLL_S
 from services.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
 from services.controller.loop import Controller
@@ -75,7 +76,7 @@ class SimSettings:
     # What a state costs the monitor (judging the held reports, building, encoding), per executor: 103 ms at
     # 1,000 executors on the GPU machine's host (docs/benchmarks.md, "On the GPU machine's 16 cores").
     monitor_state_s: float = 1.0e-4
-    sample_interval_s: float = 0.25  # the bench's cluster poll
+    sample_interval_s: float = CLUSTER_POLL_S
     bus_latency_s: float = 0.001
     drain_s: float = 90.0  # after the last arrival, unfinished requests count as failed (the bench's drain)
     spare: bool = False  # instances of two, every layer on the first (bench/modes.py's spare plan)
@@ -169,6 +170,8 @@ class Simulation:
         self._issued = 0  # requests made so far, over every window: their ids
         self._open: set[int] = set()  # the window's requests not finished or refused yet
         self._models = traffic_turns(fleet.traffic)  # the model each request asks for, in turn
+        self._progress: Callable[[], None] | None = None
+        self._last_polled: dict[str, dict] = {}  # each executor's last sample (_polled)
 
     def _form_worlds(self, plans: list[InstancePlan], laid_out: dict) -> None:
         """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`, their ledgers of
@@ -210,11 +213,13 @@ class Simulation:
         differ from single steps'."""
         heapq.heappush(self._heap, (t, self._rank[name], next(self._order), self._step_end, (name, serial)))
 
-    def run(self, arrivals: list[TraceRequest]) -> SimRun:
+    def run(self, arrivals: list[TraceRequest], progress: Callable[[float], None] | None = None) -> SimRun:
         """Replay one window's arrivals from now on: on a fresh cluster, or on the one an earlier window and a
         rest left, as the bench replays its windows on one system. Requests unfinished `drain_s` after the last
-        arrival count as failed and are cancelled, as the bench's client cancels them."""
+        arrival count as failed and are cancelled, as the bench's client cancels them. `progress` is told the
+        window's simulated seconds so far at each of the bench's polls."""
         origin = self.now
+        self._progress = None if progress is None else (lambda: progress(self.now - origin))
         requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens,
                                next(self._models)) for i, r in enumerate(arrivals)]
         self._issued += len(requests)
@@ -513,10 +518,24 @@ class Simulation:
     def _sample(self) -> None:
         for executor in self.executors.values():
             executor.settle(self.now)
-        self.samples.append((self.now, [
-            {"id": e.id, "role": "leader" if e.leads else "follower",
-             "kv": e.kv_pages(e.ledger.snapshot()), "block_size": e.limits.block_size,
-             "layers": list(e.layer_bits), "running": len(e.scheduler.running),
-             "waiting": len(e.scheduler.waiting), "preemptions": e.scheduler.num_preemptions}
-            for e in self.executors.values()]))
+        self.samples.append((self.now, [self._polled(e) for e in self.executors.values()]))
         self.at(self.now + self.settings.sample_interval_s, self._sample)
+        if self._progress is not None:
+            self._progress()
+
+    def _polled(self, e: SimExecutor) -> dict:
+        """What the poll reads of `e`, sharing what is unchanged since the last poll with it (the samples are only
+        read): a thousand executors polled four times a second over a whole trace's half hour would otherwise
+        hold some 8 GB of equal copies."""
+        kv, layers, last = e.kv_pages(e.ledger.snapshot()), list(e.layer_bits), self._last_polled.get(e.id)
+        if last is not None:
+            kv = last["kv"] if last["kv"] == kv else kv
+            layers = last["layers"] if last["layers"] == layers else layers
+        sample = {"id": e.id, "role": "leader" if e.leads else "follower", "kv": kv,
+                  "block_size": e.limits.block_size, "layers": layers,
+                  "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                  "preemptions": e.scheduler.num_preemptions}
+        if sample == last:
+            return last
+        self._last_polled[e.id] = sample
+        return sample

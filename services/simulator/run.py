@@ -74,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"))
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.5, help="the system's TPOT SLO")
+    ap.add_argument("--poll-s", type=float, default=SimSettings.sample_interval_s,
+                    help="seconds between two samples of the cluster, as the bench polls it: a whole trace over a "
+                         "thousand executors at the bench's 0.25 s holds gigabytes of samples")
     ap.add_argument("--telemetry-interval", type=float, default=0.1, help="seconds between an executor's reports")
     ap.add_argument("--monitor-state-s", type=float, default=SimSettings.monitor_state_s,
                     help="seconds a cluster state costs the monitor, per executor: its pace (default %(default)g, "
@@ -132,7 +135,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.rate_scale is None and "fp16" not in args.modes:
         ap.error("the load is scaled to fp16's capacity: add fp16 to --modes, or give --rate-scale")
     for name in ("window_s", "load", "probe_s", "probe_start", "len_scale", "slo_ttft", "slo_tpot",
-                 "telemetry_interval", "drain_timeout"):
+                 "telemetry_interval", "poll_s", "drain_timeout"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.rate_scale is not None and args.rate_scale <= 0:
@@ -163,12 +166,26 @@ def settings_for(mode: str, args) -> SimSettings:
                                   amoebas="tp" in m.levers)
     monitor = MonitorConfig(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     return SimSettings(controller, monitor, m.static_bits, args.telemetry_interval, args.monitor_state_s,
-                       drain_s=args.drain_timeout, spare=m.spare, decode_runs=not args.single_steps)
+                       sample_interval_s=args.poll_s, drain_s=args.drain_timeout, spare=m.spare,
+                       decode_runs=not args.single_steps)
 
 
-def timed(simulation: Simulation, arrivals) -> tuple[SimRun, float]:
+def timed(simulation: Simulation, arrivals, label: str, every_s: float = 30.0) -> tuple[SimRun, float]:
+    """The window played, and its wall time; a window longer than `every_s` of wall time says how far it has got
+    every `every_s`."""
     began = time.perf_counter()
-    played = simulation.run(arrivals)
+    last = (began, 0.0)
+
+    def progress(simulated_s: float) -> None:
+        nonlocal last
+        if (now := time.perf_counter()) - last[0] >= every_s:
+            recent = (simulated_s - last[1]) / (now - last[0])
+            last = (now, simulated_s)
+            print(f"  {label}: {simulated_s:.0f} s simulated in {now - began:.0f} s "
+                  f"({simulated_s / (now - began):.2f}x real time; {recent:.2f}x since the last line)",
+                  file=sys.stderr, flush=True)
+
+    played = simulation.run(arrivals, progress)
     return played, time.perf_counter() - began
 
 
@@ -250,7 +267,7 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
 def measure_capacity(fleet, rows, args) -> dict:
     def measure(rate: float) -> Probe:
         load = steady_load(rows, rate, args.probe_s, args.len_scale, args.max_len, args.seed)
-        played, _ = timed(Simulation(fleet, settings_for("fp16", args)), load)
+        played, _ = timed(Simulation(fleet, settings_for("fp16", args)), load, f"capacity probe at {rate:.2f} req/s")
         ttfts = [r.first_token_s - r.arrival_s for r in played.requests if r.first_token_s is not None]
         return Probe(rate, percentile(ttfts, 95), sum(r.error is not None for r in played.requests), len(load))
 
@@ -318,7 +335,7 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
             waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
             rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
         arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len), args.copies)
-        played, loop_s = timed(simulation, arrivals)
+        played, loop_s = timed(simulation, arrivals, f"{mode} {w.name}")
         built_s = setup_s if i == 0 else 0.0
         wall_s = loop_s + built_s
         results[w.name] = window_report(played, wall_s, args, table, fleet, rest, built_s)

@@ -486,6 +486,7 @@ def test_simulate_writes_the_bench_shape_of_results(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [(["--modes", "fp16,fp16"], "at most once"),
                                            (["--modes", "morph"], "add fp16"),
                                            (["--window-s", "0"], "--window-s must be positive"),
+                                           (["--poll-s", "0"], "--poll-s must be positive"),
                                            (["--rest-s", "-1"], "must not be negative")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -648,6 +649,49 @@ def test_the_clusters_samples_show_each_member_the_kv_its_report_shows(tmp_path)
     _, last = sim.samples[-1]
     reports = {n: e.telemetry(sim.now).kv.model_dump() for n, e in sim.executors.items()}
     assert {e["id"]: e["kv"] for e in last} == reports and reports["exec1"]["pages_used"] == 0
+
+
+def test_the_poll_shares_what_is_unchanged_and_each_sample_reads_the_cluster_at_its_time(tmp_path, monkeypatch):
+    fleet = read_fleet(write_fleet(tmp_path, pages=720))
+    sim = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default")))
+    fresh = []  # every sample as the poll read it at its time, copied out of reach of later polls
+    polled = Simulation._sample
+
+    def sample(self):
+        polled(self)
+        e = self.executors["exec0"]
+        fresh.append((self.now, [{"id": e.id, "role": "leader", "kv": e.kv_pages(e.ledger.snapshot()),
+                                  "block_size": e.limits.block_size, "layers": list(e.layer_bits),
+                                  "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                                  "preemptions": e.scheduler.num_preemptions}]))
+    monkeypatch.setattr(Simulation, "_sample", sample)
+    sim.run(burst())
+    sim.rest(rest_s=10.0, timeout_s=180.0)
+    assert sim.samples == fresh  # no later poll changed an earlier sample through what they share
+    layers = [seen[0]["layers"] for _, seen in sim.samples]
+    assert min(min(bits) for bits in layers) < 16 and layers[-1] == [16] * 30  # quantized under the burst, restored
+    changes = sum(a != b for a, b in itertools.pairwise(layers))
+    assert len({id(bits) for bits in layers}) == changes + 1  # a new list only where the layers changed
+    idle = [seen[0] for _, seen in sim.samples[-5:]]
+    assert all(s is idle[0] for s in idle)  # a rested executor's samples are one
+
+
+def test_a_long_window_says_how_far_it_has_got(tmp_path, capsys):
+    sim = Simulation(read_fleet(write_fleet(tmp_path, pages=720)), SimSettings(sample_interval_s=1.0))
+    played, _ = simulate_cli.timed(sim, burst(), "fp16 busy@0s", every_s=0.0)
+    lines = capsys.readouterr().err.splitlines()
+    said = [float(line.split()[2]) for line in lines]
+    assert all(line.startswith("  fp16 busy@0s: ") and "x real time" in line for line in lines)
+    # told at each poll: the fresh cluster's first, then the window's
+    assert said == pytest.approx([0.0] + [round(t) for t, _ in played.samples], abs=0.5)
+
+
+def test_the_poll_is_as_often_as_asked(tmp_path):
+    fleet = write_fleet(tmp_path, pages=720)
+    args = simulate_cli.parse_args(["--fleet", str(fleet), "--poll-s", "2"])
+    played = Simulation(read_fleet(fleet), simulate_cli.settings_for("fp16", args)).run(burst())
+    assert len(played.samples) > 3
+    assert [t for t, _ in played.samples] == pytest.approx([2.0 * (i + 1) for i in range(len(played.samples))])
 
 
 @pytest.mark.parametrize("args, why", [

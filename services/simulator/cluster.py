@@ -240,6 +240,7 @@ class Simulation:
             if r.done_s is None:
                 r.error = "unfinished at the end of the drain"
                 self._cancel(r)
+        self._progress = None  # the rest after it is not the window's
         return SimRun(requests, [(t - origin, seen) for t, seen in self.samples[samples:]], self.events[events:],
                       self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin)
 
@@ -526,7 +527,7 @@ class Simulation:
     def _polled(self, e: SimExecutor) -> dict:
         """What the poll reads of `e`, sharing what is unchanged since the last poll with it (the samples are only
         read): a thousand executors polled four times a second over a whole trace's half hour would otherwise
-        hold some 8 GB of equal copies."""
+        hold gigabytes of equal copies."""
         kv, layers, last = e.kv_pages(e.ledger.snapshot()), list(e.layer_bits), self._last_polled.get(e.id)
         if last is not None:
             kv = last["kv"] if last["kv"] == kv else kv

@@ -179,10 +179,10 @@ def timed(simulation: Simulation, arrivals, label: str, every_s: float = 30.0) -
     def progress(simulated_s: float) -> None:
         nonlocal last
         if (now := time.perf_counter()) - last[0] >= every_s:
-            recent = (simulated_s - last[1]) / (now - last[0])
+            recent = (simulated_s - last[1]) / max(now - last[0], 1e-9)
             last = (now, simulated_s)
             print(f"  {label}: {simulated_s:.0f} s simulated in {now - began:.0f} s "
-                  f"({simulated_s / (now - began):.2f}x real time; {recent:.2f}x since the last line)",
+                  f"({simulated_s / max(now - began, 1e-9):.2f}x real time; {recent:.2f}x since the last line)",
                   file=sys.stderr, flush=True)
 
     played = simulation.run(arrivals, progress)

@@ -182,6 +182,10 @@ class ExecutorConfig:
     # A new request is refused (queue_full) when the wait predicted for it, from the requests ahead of it
     # and the rate requests recently left the waiting queue, is longer than this; 0 turns the bound off.
     max_queue_wait_s: float = 30.0
+    # A `morphling profile --latency` JSON measured for this model on this device: the telemetry then reports a
+    # layer's seconds at each width over its recent steps (`layer_seconds`), which the morph rung reads before
+    # it quantizes for a queue. None: none reported, and the rung takes fewer bits to be faster (MorphServe's view).
+    latency_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.outbox_limit < 1:

@@ -92,6 +92,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    metavar="SECONDS",
                    help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
                         "(default %(default)s)")
+    p.add_argument("--latency-profile", metavar="PATH",
+                   help="a `morphling profile --latency` JSON measured for this model on this device: telemetry "
+                        "then reports a layer's seconds at each width over its recent steps, and the controller "
+                        "quantizes for a queue only where fewer bits are faster (default: none)")
     world = p.add_argument_group("instances across executors", "without a world of several executors, this "
                                  "executor serves the whole model alone")
     world.add_argument("--dist-url", help="the world's rendezvous, tcp://HOST:PORT, hosted by rank 0 "
@@ -133,7 +137,8 @@ def main(argv: list[str]) -> int:
                             max_waiting=args.max_waiting, block_size=args.block_size,
                             prepare_variants=not args.lazy_variants, cuda_graphs=not args.enforce_eager)
     config = ExecutorConfig(executor_id=args.id, nats_url=args.nats, engine=engine_config,
-                            bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait)
+                            bus_outage_s=args.bus_outage, max_queue_wait_s=args.max_queue_wait,
+                            latency_profile=args.latency_profile)
     from services.executor.fabric.world import FabricError
 
     try:

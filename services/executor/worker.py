@@ -48,6 +48,7 @@ from opentelemetry.context import Context
 from services.executor.admission import Departures, admits, predicted_wait_s, waiting_ahead
 from services.executor.engine.errors import KvCapacityError, QueueFullError
 from services.executor.engine.scheduling.growth import pages_growth
+from services.executor.engine.scheduling.phases import StepsLoad
 from services.executor.fabric import step as wire
 from services.executor.fabric import transform
 from services.executor.fabric.kv_heads import KvPlanError
@@ -89,6 +90,7 @@ class Snapshot:
     departures: tuple[int, float] = (0, 0.0)  # Departures.recent(): requests that left the waiting queue lately
     accepted: int = 0  # requests accepted by then (EngineWorker._accepted); stats.waiting counts those not added
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
+    steps_load: StepsLoad = field(default_factory=StepsLoad)  # the engine's steps so far (phases.py)
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
@@ -289,7 +291,8 @@ class EngineWorker:
         return Snapshot(stats, len(self._tracked) + not_added, list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
-                        self._units(), self._departures.recent(), accepted)
+                        self._units(), self._departures.recent(), accepted,
+                        steps_load=replace(self.engine.steps_load))
 
     def _report_pressure(self) -> None:
         stats = self.snapshot.stats

@@ -23,6 +23,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from services.executor.engine.scheduling.phases import phases
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.simulator.fleet import ExecutorSpec
 from shared.planner.memory import weight_bytes
@@ -33,18 +34,6 @@ from shared.planner.shapes import ModelShape
 def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk]) -> float:
     """One decoder layer at `bits` over `chunks`: their decodes as one batch, their prefill chunks as another."""
     return phase_seconds(spec, bits, *phases(chunks))
-
-
-def phases(chunks: Sequence[ScheduledChunk]) -> tuple[int, int, list[int]]:
-    """(the step's decodes, the sum of their contexts, its prefill chunks' lengths): what a layer's time reads."""
-    decodes, context, prefills = 0, 0, []
-    for c in chunks:
-        if c.length == 1 and c.start >= len(c.seq.prompt_ids):
-            decodes += 1
-            context += c.start + 1
-        else:
-            prefills.append(c.length)
-    return decodes, context, prefills
 
 
 def phase_seconds(spec: ExecutorSpec, bits: int, decodes: int, context: int, prefills: list[int]) -> float:

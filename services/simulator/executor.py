@@ -26,7 +26,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 import functools
 import math
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -37,6 +37,7 @@ from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.scheduling.growth import pages_growth
+from services.executor.engine.scheduling.phases import StepsLoad
 from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
@@ -182,6 +183,10 @@ class SimExecutor(MemberArena):
         self.hold_until = 0.0  # a merged instance's leader: no split before
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         self.units_key: tuple | None = None  # what they were computed from
+        # Where it reports its latency profile (`reports_latency`): its steps' phases, counted as the engine counts
+        # them; those at the last report's; what that report said; a decode run's batch and first step's contexts.
+        self.steps_load, self.load_reported, self.layer_seconds_reported = StepsLoad(), StepsLoad(), {}
+        self.run_began: tuple[int, int] = (0, 0)
 
     def _lay_out(self, num_pages: int, bits: int, arenas: dict) -> tuple:
         """The key in `arenas` of an empty arena of `num_pages` with every layer's slot at `bits`, as set_bits
@@ -259,6 +264,9 @@ class SimExecutor(MemberArena):
                 self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
             if self.run is not None:
                 self.step_serial += 1
+                if self.spec.reports_latency:  # a run cut short counts the steps it planned (64 at most)
+                    batch, contexts, steps = *self.run_began, len(self.run.ends)
+                    self.steps_load.add(batch, contexts + batch * (steps - 1) // 2, [], steps)
                 self.settle(now)
                 return self.run.ends[-1]
             if self.batch is not None and (planned := self.batch.step()) is not None:
@@ -293,6 +301,8 @@ class SimExecutor(MemberArena):
     def _step_seconds(self, now: float, out: SchedulerOutput, phases: tuple | None) -> float:
         """The step `out` beginning `now`, or a decode batch's step of `phases` (costs.phases) with `out` its
         admissions: its seconds, its instance's other members marked busy for their parts."""
+        if self.spec.reports_latency:
+            self.steps_load.add(*(costs.phases(out.chunks) if phases is None else phases))
         if self.group is None:
             return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
                     else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
@@ -313,11 +323,13 @@ class SimExecutor(MemberArena):
         """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""
         if self.group is None:
             return self._batch_timing(len(seqs), sum(base) + len(seqs))
+        self.run_began = (len(seqs), sum(base) + len(seqs))
         return self.group.decode_timing(seqs, base)
 
     def _batch_timing(self, batch: int, contexts: int):
         """A decode batch's run (decode_run.plan_batch_run): `batch` decodes whose contexts summed `contexts` at its
         first step."""
+        self.run_began = (batch, contexts)
         if self.group is None:
             seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
@@ -614,4 +626,14 @@ class SimExecutor(MemberArena):
             max_num_seqs=self.scheduler.max_num_seqs if leads else 0, requests=self.finished.drain(),
             pages_growth=self._pages_growth(),
             busy=self.busy.share(now),
-            layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads)
+            layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
+            layer_seconds=self._layer_seconds() if self.spec.reports_latency else {})
+
+    def _layer_seconds(self) -> dict[int, float]:
+        """What its latency profile predicts a decoder layer takes at each width over the steps since the last
+        report that had any, as the service reports it."""
+        recent = self.steps_load.since(self.load_reported)
+        if recent.decode_steps or recent.prefill_steps:
+            self.layer_seconds_reported = recent.widths_seconds(self.spec.latency, FULL_BITS)
+            self.load_reported = replace(self.steps_load)
+        return self.layer_seconds_reported

@@ -23,7 +23,11 @@ A fleet file is JSON:
   arena. Paths are relative to the fleet file. `latency_profile` is a `morphling profile --latency` JSON
   measured on that device with the executor's thread count; without one the device's latency is the roofline
   model of its datasheet figures. `speedup_profile` (`morphling profile --speedup`) gives the rest of a step
-  (embedding, logits, sampling); without one it is the LM head's roofline.
+  (embedding, logits, sampling); without one it is the LM head's roofline. `reports_latency` (with a
+  `latency_profile`): its executors are given that profile, and report in their telemetry a layer's seconds at
+  each width over their recent steps (`layer_seconds`), which the morph rung reads before it quantizes for a
+  queue (services/controller/policies/morph.py). Without it they report none, as `morphling up`'s executors
+  do without `--latency-profile`.
   `dtype_bytes`: 4 on cpu (float32), else 2 (bfloat16), as `morphling up` serves.
 - `engine` overrides EngineConfig's limits, the same for every executor.
 - `world_size`: executors per torch.distributed world, in order (exec0-7, exec8-15, ... for 8): the executors
@@ -95,6 +99,7 @@ class ExecutorSpec:
     swap_s: dict[str, float] = field(default_factory=dict)  # measured "quantize"/"restore" seconds per layer
     operation_s: dict[str, Line] = field(default_factory=dict)  # measured seconds of an operation, over its layers
     tp: int = 1  # the TP degree of the instance it starts in (1: it serves alone)
+    reports_latency: bool = False  # reports its latency profile's layer seconds (`layer_seconds`)
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,7 @@ def _executor_specs(entry: object, where: str, model: str, tp: int, start: int, 
     if not isinstance(entry, dict):
         raise FleetError(f"{where}: expected {{\"device\": ..., \"count\": ...}}, got {entry!r}")
     unknown = set(entry) - {"device", "count", "memory", "latency_profile", "speedup_profile", "dtype_bytes",
-                            "model", "tp"}
+                            "model", "tp", "reports_latency"}
     if unknown:
         raise FleetError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     shape, tp = _shape(entry.get("model", model), where), _tp(entry.get("tp", tp), where)
@@ -191,14 +196,19 @@ def _executor_specs(entry: object, where: str, model: str, tp: int, start: int, 
             latency = load_profile(base / entry["latency_profile"])
         except (OSError, LatencyError, ValueError, KeyError) as exc:
             raise FleetError(f"{where}: latency_profile: {exc}") from exc
-        measured = {k: latency.model.get(k) for k in ("hidden_size", "intermediate_size", "num_kv_heads")}
-        if measured != {k: getattr(shape, k) for k in measured}:
-            raise FleetError(f"{where}: latency_profile was measured for layers of {measured}, not {shape.name}'s")
+        try:
+            latency.check_layers(shape, f"{where}: latency_profile")
+        except LatencyError as exc:
+            raise FleetError(f"{exc} ({shape.name}'s)") from exc
     elif device.modelled:
         latency = RooflineLatency(device, shape, dtype_bytes)
     else:
         raise FleetError(f"{where}: {device.name} has no datasheet figures to model: give a latency_profile "
                          f"(`morphling profile --latency` measured there)")
+    reports_latency = entry.get("reports_latency", False)
+    if not isinstance(reports_latency, bool) or (reports_latency and "latency_profile" not in entry):
+        raise FleetError(f"{where}: reports_latency must be true or false, and true only with a latency_profile "
+                         f"(what the executors report), got {reports_latency!r}")
     if "speedup_profile" in entry:
         path = base / entry["speedup_profile"]
         try:
@@ -211,7 +221,7 @@ def _executor_specs(entry: object, where: str, model: str, tp: int, start: int, 
     else:
         raise FleetError(f"{where}: {device.name} needs a speedup_profile for the rest of a step")
     return [ExecutorSpec(f"exec{start + i}", device, shape, memory, dtype_bytes, latency, overhead, hop,
-                         all_reduce=reduce, tp=tp) for i in range(count)]
+                         all_reduce=reduce, tp=tp, reports_latency=reports_latency) for i in range(count)]
 
 
 def _operation_lines(given: object, where: str) -> dict[str, Line]:

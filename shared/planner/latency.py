@@ -127,6 +127,13 @@ class FittedLatency:
                     raise LatencyError(f"{phase} at {bits} bits has {len(coefficients)} coefficients, the model "
                                        f"has {len(names)} terms {list(names)}")
 
+    def check_layers(self, layers: object, where: str) -> None:
+        """LatencyError unless it was measured for layers of the shape of `layers` (a ModelShape, a model config)."""
+        measured = {k: self.model.get(k) for k in ("hidden_size", "intermediate_size", "num_kv_heads")}
+        serving = {k: getattr(layers, k) for k in measured}
+        if measured != serving:
+            raise LatencyError(f"{where} was measured for layers of {measured}, not {serving}")
+
     @property
     def bits(self) -> list[int]:
         """Precisions profiled in both phases, widest first."""

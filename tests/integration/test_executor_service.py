@@ -8,11 +8,13 @@ of requests overflow deterministically.
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -25,6 +27,7 @@ from shared.bus import Bus, decode
 from shared.config import EngineConfig, ExecutorConfig
 from shared.messages import (SCHEMA_VERSION, Admission, Cancel, Command, CommandResult, ExecutorTelemetry,
                              GenerateRequest, TokenBatch, TokenDelta)
+from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 from shared.sampling import SamplingOptions
 from shared.telemetry import tracer
 from tests.checkpoints import tiny_llama3_engine
@@ -360,21 +363,48 @@ def test_request_spans_join_the_gateway_trace(nats_server, tiny, spans):
     assert not any("hello" in str(v) for v in attrs.values())
 
 
-def test_main_serves_until_sigterm_then_finishes_in_flight_work(nats_server, tiny):
+DECODE_S = {16: 0.004, 8: 0.006, 4: 0.005}  # a layer's decode at each width, whatever the batch and context
+
+
+def write_latency_profile(path: Path, layers: object) -> Path:
+    """A `morphling profile --latency` JSON for layers of the shape of `layers` whose decode takes DECODE_S."""
+    shape = {k: getattr(layers, k) for k in ("hidden_size", "intermediate_size", "num_kv_heads")}
+    path.write_text(json.dumps(FittedLatency("cpu", shape, {
+        "prefill": {b: [0.01] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in DECODE_S},
+        "decode": {b: [s] + [0.0] * (len(DECODE_FEATURES) - 1) for b, s in DECODE_S.items()}}).to_profile()))
+    return path
+
+
+def executor_process(nats_url: str, model: str, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-c", "import sys; from services.executor.process import main; sys.exit(main(sys.argv[1:]))",
-           "--nats", nats_server.url, "--id", EXEC, "--model", tiny.config.model, "--memory-budget", "4MiB",
-           "--block-size", "8", "--max-model-len", "256"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+           "--nats", nats_url, "--id", EXEC, "--model", model, "--memory-budget", "4MiB",
+           "--block-size", "8", "--max-model-len", "256", *flags]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_main_serves_until_sigterm_then_finishes_in_flight_work(nats_server, tiny, tmp_path):
+    profile = write_latency_profile(tmp_path / "latency.json", tiny.model_config)
+    proc = executor_process(nats_server.url, tiny.config.model, "--latency-profile", str(profile))
 
     async def scenario():
         gw = Gateway(await Bus.connect(nats_server.url, "gateway"))
         await gw.start()
-        await gw.telemetry_where(lambda t: t.model == "model", timeout=60)
+        idle = await gw.telemetry_where(lambda t: t.model == "model", timeout=60)
+        assert idle.layer_seconds == {}  # no step yet: no load to predict at
         assert (await gw.admit("last", prompt="hello", sampling=SamplingOptions(max_tokens=240, ignore_eos=True))
                 ).accepted
         while "last" not in gw.deltas:
             await asyncio.sleep(0.01)
+        # Decoding, it reports what its profile predicts of its steps since the last report, full precision under
+        # the bits its layers report: some decode steps, each DECODE_S a layer.
+        decoding = await gw.telemetry_where(lambda t: t.running == 1 and set(t.layer_seconds) == {32, 8, 4}
+                                            and t.layer_seconds[8] / t.layer_seconds[32] == pytest.approx(1.5))
+        assert decoding.layers == [32] * len(decoding.layers)
+        steps = decoding.layer_seconds[32] / DECODE_S[16]
+        assert steps == pytest.approx(round(steps)) and steps >= 1
+        assert decoding.layer_seconds == pytest.approx({32: steps * DECODE_S[16], 8: steps * DECODE_S[8],
+                                                        4: steps * DECODE_S[4]})
         proc.send_signal(signal.SIGTERM)
         signalled = time.time()
         deltas = await gw.finished("last", timeout=30)  # in flight at SIGTERM: it still completes
@@ -385,6 +415,18 @@ def test_main_serves_until_sigterm_then_finishes_in_flight_work(nats_server, tin
     try:
         asyncio.run(scenario())
         assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_latency_profile_of_other_layers_is_refused_at_start(nats_server, tiny, tmp_path):
+    other = write_latency_profile(tmp_path / "other.json", replace(tiny.model_config, hidden_size=4096))
+    proc = executor_process(nats_server.url, tiny.config.model, "--latency-profile", str(other))
+    try:
+        assert proc.wait(timeout=60) == 1
+        assert "other.json was measured for layers of {'hidden_size': 4096" in proc.stderr.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -28,6 +28,7 @@ SIMULATED_PARTS = {
     "services.executor.engine.errors", "services.executor.engine.memory.block_manager",
     "services.executor.engine.memory.ledger", "services.executor.engine.scheduling.growth",
     "services.executor.engine.scheduling.scheduler", "services.executor.engine.scheduling.sequence",
+    "services.executor.engine.scheduling.phases",  # a step as a latency profile reads it, counted as the engine does
     "services.executor.latency", "services.executor.admission", "services.executor.engine.morphing.slots",
     # instances of several executors: which replica computes which rows, the AMOEBAs merges the gateway decides,
     # the heads and FFN pieces a TP member holds

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from services.controller.hysteresis import Hysteresis
 from services.controller.loop import Controller
-from services.controller.policies.morph import (MorphMemory, MorphSettings, learn_freed_pages, make_policy,
-                                                next_quantize, next_restore, pages_taken_back, plan, settings_for_mode)
+from services.controller.policies.morph import (ExecutorMemory, MorphMemory, MorphSettings, learn_freed_pages,
+                                                make_policy, next_quantize, next_restore, pages_taken_back, plan,
+                                                settings_for_mode, will_quantize)
 from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan, KvPages
 from shared.plans import alone
@@ -46,7 +47,8 @@ class FakeExecutor:
                     self.layers[i] = 16
 
     def state(self, usage: float, waiting: int = 0, delay: float = 0.0, growth: int = 0, preemptions: int = 0,
-              admission_blocked: int = 0, rejected: int = 0, instance: str = "i0") -> ExecutorState:
+              admission_blocked: int = 0, rejected: int = 0, instance: str = "i0",
+              layer_seconds: dict[int, float] | None = None) -> ExecutorState:
         cap = self.capacity()
         used = min(cap, round(usage * cap))
         ext = cap - BASE
@@ -57,7 +59,7 @@ class FakeExecutor:
                               running=1, waiting=waiting, max_waiting=8, preemptions=preemptions, prompt_tokens=0,
                               generated_tokens=0, queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining,
                               plan=self.plan, pages_growth=growth, admission_blocked=admission_blocked,
-                              rejected=rejected)
+                              rejected=rejected, layer_seconds=layer_seconds or {})
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
                              queue_delay_s=delay, waiting=waiting, telemetry=t)
 
@@ -152,6 +154,39 @@ def test_queue_delay_and_blocked_admission_are_pressure_too():
     assert [bool(full_queue.window(0.1, waiting=8)) for _ in range(3)] == [False, False, True]
     assert [bool(short_of_pages.window(0.95, waiting=1)) for _ in range(3)] == [False, False, True]
     assert not any(Driver(lax).window(0.8, waiting=1) for _ in range(10))  # room for one: not the KV
+
+
+SLOWER, FASTER = {16: 1.0, 8: 1.5, 4: 1.3}, {16: 1.0, 8: 0.7, 4: 0.5}  # a layer's seconds by width
+
+
+@pytest.mark.parametrize("seconds, answers", [(FASTER, True), ({}, True), (SLOWER, False)])
+def test_a_queue_with_kv_to_spare_is_quantized_for_only_where_fewer_bits_are_faster(seconds, answers):
+    lax = MorphSettings(kv_high=0.99, kv_low=0.5)
+    delayed, full, refused = Driver(lax), Driver(lax), Driver(lax)
+    assert any(delayed.window(0.1, delay=5.0, waiting=1, layer_seconds=seconds) for _ in range(5)) is answers
+    assert any(full.window(0.1, waiting=8, layer_seconds=seconds) for _ in range(5)) is answers
+    assert bool(refused.window(0.1, rejected=1, layer_seconds=seconds)) is answers  # at once, or not at all
+    state = full.ex.state(0.1, waiting=8, layer_seconds=seconds)
+    assert will_quantize(state, lax, ExecutorMemory()) is answers  # what the ladder tells CoCoServe
+
+
+def test_kv_short_is_quantized_for_however_slow_the_fewer_bits():
+    lax = MorphSettings(kv_high=0.99, kv_low=0.5)
+    d = Driver(lax)
+    assert d.window(0.1, preemptions=1, layer_seconds=SLOWER)
+    assert d.window(0.1, preemptions=1, admission_blocked=1, rejected=1, layer_seconds=SLOWER)
+    assert not d.window(0.1, preemptions=1, admission_blocked=1, rejected=2, layer_seconds=SLOWER)  # a refusal
+    short_of_pages = Driver(lax)
+    assert [bool(short_of_pages.window(0.95, waiting=1, layer_seconds=SLOWER)) for _ in range(3)] == [
+        False, False, True]
+
+
+def test_a_queue_climbs_the_ladder_only_as_far_as_each_step_is_faster():
+    int8_only = {16: 1.0, 8: 0.8, 4: 0.9}  # INT4 slower than INT8, faster than full precision
+    d = Driver()
+    for _ in range(40):
+        d.window(0.1, delay=5.0, waiting=1, layer_seconds=int8_only)
+    assert sorted(d.ex.layers) == [8] * 4 + [16] * 4
 
 
 def test_release_test_blocks_a_restore_while_the_kv_in_use_would_not_fit():

@@ -38,13 +38,17 @@ PREFILL_S, DECODE_S, OVERHEAD_S = 0.002, 0.001, 0.010  # per layer, per layer, p
 
 
 def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float = 0.0, all_reduce_s: float | None = None,
-                **engine) -> Path:
+                quantized_x: float = 1.0, reports_latency: bool = False, **engine) -> Path:
     """A fleet of `count` cpu executors whose layer takes PREFILL_S for a step's prefill chunks and DECODE_S for
-    its decodes whatever their number and size, and whose step costs OVERHEAD_S more; a hop takes `hop_s` and
-    an all-reduce `all_reduce_s` (without it, the profile has no all-reduce line)."""
+    its decodes whatever their number and size (`quantized_x` times that at INT8 and INT4), and whose step costs
+    OVERHEAD_S more; a hop takes `hop_s` and an all-reduce `all_reduce_s` (without it, the profile has no
+    all-reduce line). `reports_latency`: the executors report their profile's layer seconds."""
+    def seconds(bits: int, full: float) -> float:
+        return full if bits == 16 else full * quantized_x
+
     fitted = FittedLatency("cpu", SHAPE, {
-        "prefill": {b: [PREFILL_S] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in (16, 8, 4)},
-        "decode": {b: [DECODE_S] + [0.0] * (len(DECODE_FEATURES) - 1) for b in (16, 8, 4)}})
+        "prefill": {b: [seconds(b, PREFILL_S)] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in (16, 8, 4)},
+        "decode": {b: [seconds(b, DECODE_S)] + [0.0] * (len(DECODE_FEATURES) - 1) for b in (16, 8, 4)}})
     (tmp_path / "latency.json").write_text(json.dumps(fitted.to_profile()))
     speedup = {"kind": "speedup-profile", "model": "default", "device": "cpu", "threads": 1, "num_layers": 30,
                "hidden_size": 576, "dtype_bytes": 4, "layer": {"intercept_s": 0.002, "per_token_s": 0.0},
@@ -55,7 +59,8 @@ def write_fleet(tmp_path: Path, pages: int = 800, count: int = 1, hop_s: float =
     (tmp_path / "speedup.json").write_text(json.dumps(speedup))
     fleet = {"model": "default",
              "executors": [{"device": "cpu", "count": count, "memory": pages * PAGE,
-                            "latency_profile": "latency.json", "speedup_profile": "speedup.json"}],
+                            "latency_profile": "latency.json", "speedup_profile": "speedup.json",
+                            "reports_latency": reports_latency}],
              "engine": {"max_model_len": 512, **engine},
              "swap_s_per_layer": {"quantize": 0.004, "restore": 0.003}}
     path = tmp_path / "fleet.json"
@@ -141,6 +146,8 @@ def test_the_fleet_file_is_checked(tmp_path):
                             ({"executors": [{"device": "H100-80GB", "count": 3}], "tp": 3}, "divide the FFN's"),
                             ({"all_reduce_s": {"intercept_s": -1, "per_byte_s": 0}}, "all_reduce_s must be"),
                             ({"gpus": 8}, "unknown field"),
+                            ({"executors": [{"device": "H100-80GB", "count": 1, "reports_latency": True}]},
+                             "true only with a latency_profile"),
                             ({"executors": [{"device": "H100-80GB", "count": 1, "model": "gpt-5"}]}, "unknown model"),
                             ({"executors": [{"device": "H100-80GB", "count": 3, "tp": 3}]}, "divide the FFN's"),
                             ({"traffic": {"default": 0}}, "a positive weight per model"),
@@ -385,6 +392,26 @@ def test_under_kv_pressure_the_real_controller_quantizes_within_a_second_of_the_
     assert len(served) >= sum(r.error is None for r in static.requests)
     ttft = percentile([r.first_token_s - r.arrival_s for r in served], 95)
     assert ttft < percentile([r.first_token_s - r.arrival_s for r in static.requests if r.error is None], 95)
+
+
+@pytest.mark.parametrize("reports", [False, True], ids=["no profile reported", "its profile reported"])
+def test_a_queue_on_layers_slower_quantized_is_quantized_for_only_where_the_executor_does_not_say_so(tmp_path,
+                                                                                                   reports):
+    # One sequence at a time and KV to spare: the queue waits on compute, and INT8 and INT4 layers take twice as long.
+    fleet = read_fleet(write_fleet(tmp_path, quantized_x=2.0, reports_latency=reports, max_num_seqs=1))
+    simulation = Simulation(fleet, SimSettings(controller=ControllerConfig(levers=("quantize",),
+                                                                           morph_mode="default")))
+    run = simulation.run([TraceRequest(0.5 + 0.01 * i, 100, 30) for i in range(30)])
+    quantizes = [e for e in run.events if e.kind == "command" and e.data["kind"] == "quantize"]
+    assert bool(quantizes) is not reports
+    assert all(r.error is None for r in run.requests) and not [e for e in run.events if e.kind == "pressure"]
+    # What its steps since a report took a layer, at each width: twice as long quantized, prefill or decode.
+    reported = simulation.executors["exec0"].telemetry(simulation.now).layer_seconds
+    if reports:
+        assert reported[16] > 0 and reported == {16: reported[16], 8: pytest.approx(2 * reported[16]),
+                                                 4: pytest.approx(2 * reported[16])}
+    else:
+        assert reported == {}
 
 
 def test_where_states_are_dear_the_monitor_slows_its_clock_and_sends_none_between_ticks(tmp_path):

@@ -153,6 +153,18 @@ def test_on_gpus_the_threads_are_left_to_torch(monkeypatch):
     assert all("--threads" not in executor_args(args, NATS, i) for i in range(2))
 
 
+def test_the_latency_profile_goes_to_every_executor_as_an_absolute_path_and_a_bad_one_is_refused(tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = parse_args(["--executors", "2", "--latency-profile", "docs/results/latency_profile.json"])
+    assert refused(args) is None
+    assert {flag(executor_args(args, NATS, i), "--latency-profile") for i in range(2)} == {
+        str(ROOT / "docs/results/latency_profile.json")}
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "speedup-profile"}))
+    bad = parse_args(["--latency-profile", str(tmp_path / "bad.json")])
+    assert "--latency-profile" in refused(bad) and "not a latency-profile record" in refused(bad)
+
+
 def test_several_executors_join_one_world_by_rank():
     args = parse_args(["--executors", "3"])
     assert [world_args(args, i, "tcp://127.0.0.1:7") for i in range(3)] == [

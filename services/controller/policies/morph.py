@@ -29,6 +29,15 @@ tens of seconds after the smaller one would already suffice. "In use" counts the
 will still take (`pages_growth`) beside those they hold: early in a burst its sequences are short, and a
 restore judged on what they hold would come back mid-burst.
 
+What quantizing answers: KV short (usage at the mark, free pages below one sequence, a preemption, an
+admission held for pages) it answers by itself, with the pages it frees. A queue that waits with KV to spare
+(the delay, a full queue, a refusal) waits on compute, and quantizing answers that only where fewer bits make the
+steps faster, as MorphServe finds on its kernels. Where the executor reports its latency profile's layer seconds
+(`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on the
+H100 the 8B's measured INT8 and INT4 layers are slower than bf16 in both phases, and quantizing every 8B executor
+for its queue cost the whole trace 15% more failed requests (docs/controller.md). Without a profile, MorphServe's
+premise stands: fewer bits are faster.
+
 Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
 several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its
 telemetry reports the plan's bits. How this rung and CoCoServe's share an instance is ladder.py's.
@@ -44,7 +53,7 @@ from types import MappingProxyType
 from services.controller.hysteresis import HysteresisParams, HysteresisState, advance, interrupted
 from services.controller.policies.interface import PlannedCommand, Policy, updated
 from shared.config import ControllerConfig
-from shared.messages import ClusterState, ExecutorState, QuantizeArgs, RestoreArgs
+from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, QuantizeArgs, RestoreArgs, pressure_since
 from shared.plans import leads
 
 MODES = ("off", "accuracy", "default", "performance")
@@ -198,8 +207,9 @@ def _next_restore(layers: tuple[int, ...], settings: MorphSettings, reported: tu
 class ExecutorMemory:
     hysteresis: HysteresisState = HysteresisState()
     freed_pages: dict[int, float] = field(default_factory=dict)  # bits -> KV pages one layer freed
-    # (process instance, pressure_events) of the last report planned on: growth since is urgent pressure.
-    pressure_seen: tuple[str, int] = ("", 0)
+    # (process instance, pressure_events, rejected) of the last report planned on: growth since is urgent
+    # pressure, the refusals' part of it only where quantizing is faster.
+    pressure_seen: tuple[str, int, int] = ("", 0, 0)
 
 
 @dataclass(frozen=True)
@@ -239,12 +249,34 @@ def pages_taken_back(known: dict[int, float], layers: list[int], pages_extension
 
 
 # --- the policy ----------------------------------------------------------------------------------
-def under_pressure(es: ExecutorState, settings: MorphSettings) -> bool:
+def short_of_kv(es: ExecutorState, settings: MorphSettings) -> bool:
+    """Pressure the pages a quantize frees answer: KV usage at the mark, or requests waiting that the free KV
+    would not hold one sequence of."""
     t = es.telemetry
-    blocked = t.waiting > 0 and (t.waiting >= t.max_waiting
-                                 or t.kv.pages_free * t.block_size < t.max_model_len)
-    delayed = t.waiting > 0 and es.queue_delay_s >= settings.queue_delay_high_s
-    return es.kv_usage >= settings.kv_high or delayed or blocked
+    return es.kv_usage >= settings.kv_high or (t.waiting > 0 and t.kv.pages_free * t.block_size < t.max_model_len)
+
+
+def queued(es: ExecutorState, settings: MorphSettings) -> bool:
+    """Requests waiting long, or a queue full."""
+    t = es.telemetry
+    return t.waiting > 0 and (t.waiting >= t.max_waiting or es.queue_delay_s >= settings.queue_delay_high_s)
+
+
+def faster(t: ExecutorTelemetry, step: tuple[list[int], int] | None) -> bool:
+    """Whether the quantize `step` (next_quantize's) makes the executor's steps faster at its recent load, as its
+    latency profile predicts; with no profile for the widths involved, MorphServe's premise that it does."""
+    seconds = t.layer_seconds
+    if step is None or not seconds:
+        return True
+    layers, bits = step
+    if bits not in seconds or any(t.layers[i] not in seconds for i in layers):
+        return True
+    return sum(seconds[bits] - seconds[t.layers[i]] for i in layers) < 0
+
+
+def under_pressure(es: ExecutorState, settings: MorphSettings, step: tuple[list[int], int] | None = None) -> bool:
+    """Pressure this rung answers with `step`: KV short, or a queue that fewer bits would serve faster."""
+    return short_of_kv(es, settings) or (queued(es, settings) and faster(es.telemetry, step))
 
 
 def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> bool:
@@ -256,17 +288,26 @@ def release_ok(es: ExecutorState, settings: MorphSettings, taken_back: int) -> b
             and es.kv_usage * capacity + t.pages_growth <= settings.kv_low * after)
 
 
-def urgent(es: ExecutorState, memory: ExecutorMemory) -> bool:
+def urgent(es: ExecutorState, memory: ExecutorMemory, step: tuple[list[int], int] | None = None) -> bool:
     """Whether the executor counted pressure events (preemptions, admissions waiting for KV, refusals) since
-    the report last planned on: hard evidence, acted on at once (hysteresis.advance's `urgent`)."""
-    return es.telemetry.pressure_since(*memory.pressure_seen) > 0
+    the report last planned on: hard evidence, acted on at once (hysteresis.advance's `urgent`). Refusals (a
+    full queue) count only where `step` is faster."""
+    t = es.telemetry
+    instance, events, refusals = memory.pressure_seen
+    new = t.pressure_since(instance, events)
+    if new <= 0 or faster(t, step):
+        return new > 0
+    return new - pressure_since(t.rejected, t.instance, instance, refusals) > 0
 
 
 def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMemory | None = None) -> bool:
     """Whether this rung takes the pressure it sees now: under pressure, with a layer left to quantize."""
-    if settings.mode == "off" or not (under_pressure(es, settings) or (memory is not None and urgent(es, memory))):
+    if settings.mode == "off" or not (short_of_kv(es, settings) or queued(es, settings)
+                                      or (memory is not None and urgent(es, memory))):
         return False  # the ladder asks it of every leader at every state, and most are neither on nor pressed
-    return next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order) is not None
+    step = next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order)
+    return step is not None and (under_pressure(es, settings, step)
+                                 or (memory is not None and urgent(es, memory, step)))
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
@@ -293,7 +334,7 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
                    hold_restore: bool = False) -> tuple[list[PlannedCommand], ExecutorMemory]:
     t = es.telemetry
     freed = learn_freed_pages(memory.freed_pages, t.layers, t.kv.pages_extension)
-    seen = (t.instance, t.pressure_events)
+    seen = (t.instance, t.pressure_events, t.rejected)
     if not es.alive or t.draining:
         skipped = interrupted(memory.hysteresis)  # a skipped window
         return [], updated(memory, hysteresis=skipped, freed_pages=freed, pressure_seen=seen)
@@ -301,8 +342,8 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.
-    events = urgent(es, memory)
-    pressure = up is not None and (under_pressure(es, settings) or events)
+    events = up is not None and urgent(es, memory, up)
+    pressure = up is not None and (under_pressure(es, settings, up) or events)
     taken_back = pages_taken_back(freed, t.layers, t.kv.pages_extension, down) if down else 0
     calm = bool(down) and release_ok(es, settings, taken_back)
     event, hysteresis = advance(settings.hysteresis, memory.hysteresis, pressure, calm, now, urgent=events)

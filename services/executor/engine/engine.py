@@ -28,6 +28,7 @@ from services.executor.engine.runner import ModelRunner
 from services.executor.engine.scheduling import handover
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
+from services.executor.engine.scheduling.phases import StepsLoad, phases
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
@@ -113,6 +114,7 @@ class LLMEngine:
         self._text: dict[int, TextStream] = {}
         self._pending: list[CompletionDelta] = []
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, finished=0, aborted=0, expired=0)
+        self.steps_load = StepsLoad()  # its steps' phases, for the latency its telemetry reports
         self._generate_ids = itertools.count()
         snap = self.arena.ledger.snapshot()
         log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
@@ -223,6 +225,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return out
+        self.steps_load.add(*phases(sched.chunks))
         logits, sampled = self.runner.run(sched)
         for chunk in sched.chunks:
             chunk.seq.num_computed += chunk.length

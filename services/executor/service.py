@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.executor.engine.errors import EngineError
-from services.executor.engine.scheduling.phases import StepsLoad
+from services.executor.engine.scheduling.phases import LatencyReports
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
@@ -100,13 +100,13 @@ class ExecutorService:
         self.broken = asyncio.Event()  # set once the instance it leads loses a member
         self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
-        self.latency = None  # its latency profile's FittedLatency, when given one
+        self._latency: LatencyReports | None = None  # what it reports of its latency profile, when given one
         if config.latency_profile is not None:
             from shared.planner.latency import load_profile  # numpy and scipy: only when asked
 
-            self.latency = load_profile(config.latency_profile)
-            self.latency.check_layers(engine.model_config, config.latency_profile)
-        self._load_reported, self._layer_seconds_reported = StepsLoad(), {}
+            latency = load_profile(config.latency_profile)
+            latency.check_layers(engine.model_config, config.latency_profile)
+            self._latency = LatencyReports(latency, engine.model.full_bits)
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
         self._outbox = Outbox(self.id, config.outbox_limit, config.flush_timeout_s)
@@ -373,18 +373,7 @@ class ExecutorService:
             kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()], longest_blocks=snap.longest_blocks,
             kv_heads=engine.model_config.num_kv_heads,
             merge_hold_s=max(0.0, worker.hold_until - time.monotonic()) if engine.member is not None else 0.0,
-            layer_seconds=self._layer_seconds(snap))
-
-    def _layer_seconds(self, snap) -> dict[int, float]:
-        """What its latency profile predicts a decoder layer takes at each width over the steps since the last
-        report that had any."""
-        if self.latency is None:
-            return {}
-        recent = snap.steps_load.since(self._load_reported)
-        if recent.decode_steps or recent.prefill_steps:
-            self._layer_seconds_reported = recent.widths_seconds(self.latency, self.engine.model.full_bits)
-            self._load_reported = snap.steps_load
-        return self._layer_seconds_reported
+            layer_seconds=self._latency.report(snap.steps_load) if self._latency is not None else {})
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device

@@ -26,7 +26,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 import functools
 import math
 from array import array
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -37,7 +37,7 @@ from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.phases import StepsLoad
+from services.executor.engine.scheduling.phases import LatencyReports, StepsLoad
 from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence
 from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
@@ -184,8 +184,9 @@ class SimExecutor(MemberArena):
         self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
         self.units_key: tuple | None = None  # what they were computed from
         # Where it reports its latency profile (`reports_latency`): its steps' phases, counted as the engine counts
-        # them; those at the last report's; what that report said; a decode run's batch and first step's contexts.
-        self.steps_load, self.load_reported, self.layer_seconds_reported = StepsLoad(), StepsLoad(), {}
+        # them, what it reports of them, and a decode run's batch and first step's contexts.
+        self.steps_load = StepsLoad()
+        self.latency_reports = LatencyReports(spec.latency, FULL_BITS) if spec.reports_latency else None
         self.run_began: tuple[int, int] = (0, 0)
 
     def _lay_out(self, num_pages: int, bits: int, arenas: dict) -> tuple:
@@ -627,13 +628,4 @@ class SimExecutor(MemberArena):
             pages_growth=self._pages_growth(),
             busy=self.busy.share(now),
             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
-            layer_seconds=self._layer_seconds() if self.spec.reports_latency else {})
-
-    def _layer_seconds(self) -> dict[int, float]:
-        """What its latency profile predicts a decoder layer takes at each width over the steps since the last
-        report that had any, as the service reports it."""
-        recent = self.steps_load.since(self.load_reported)
-        if recent.decode_steps or recent.prefill_steps:
-            self.layer_seconds_reported = recent.widths_seconds(self.spec.latency, FULL_BITS)
-            self.load_reported = replace(self.steps_load)
-        return self.layer_seconds_reported
+            layer_seconds=self.latency_reports.report(self.steps_load) if self.latency_reports else {})

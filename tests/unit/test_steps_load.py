@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.executor.engine.scheduling.phases import StepsLoad
+from services.executor.engine.scheduling.phases import LatencyReports, StepsLoad
 from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_kv_heads": 2}
@@ -12,7 +12,7 @@ def profile(decode: dict[int, list[float]], prefill: dict[int, list[float]]) -> 
     return FittedLatency("cpu", SHAPE, {"decode": decode, "prefill": prefill})
 
 
-def test_the_steps_between_two_counts_are_their_difference_each_phase_as_steps_of_its_mean():
+def test_the_steps_between_two_counts_are_their_difference_each_phase_as_steps_of_its_mean_and_so_reported():
     # decode: 1 ms + 0.01 ms a sequence; prefill: 2 ms + 0.001 ms a prompt token (INT8 twice that, INT4 three times)
     decode = {b: [0.001 * k, 0.00001 * k, 0.0, 0.0] for b, k in ((16, 1), (8, 2), (4, 3))}
     prefill = {b: [0.002 * k, 0.0, 0.000001 * k, 0.0, 0.0] for b, k in ((16, 1), (8, 2), (4, 3))}
@@ -30,3 +30,12 @@ def test_the_steps_between_two_counts_are_their_difference_each_phase_as_steps_o
     full = 4 * (0.001 + 7 * 0.00001) + (0.002 + 200 * 0.000001)
     assert recent.widths_seconds(latency, full_bits=32) == pytest.approx({32: full, 8: 2 * full, 4: 3 * full})
     assert StepsLoad().widths_seconds(latency, full_bits=16) == {}  # no steps: nothing to say
+
+    # A report says what the steps since the last report that had any took; with none since, that one's again.
+    reports = LatencyReports(latency, full_bits=32)
+    first = reports.report(load)
+    assert first == pytest.approx(load.widths_seconds(latency, 32))
+    assert reports.report(load) == first
+    load.add(0, 0, [50])
+    one_prompt = StepsLoad(prefill_steps=1, chunks=1, tokens=50)
+    assert reports.report(load) == pytest.approx(one_prompt.widths_seconds(latency, 32))

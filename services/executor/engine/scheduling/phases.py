@@ -6,7 +6,7 @@ morph rung reads it before it quantizes for a queue (services/controller/policie
 times its steps from the same phases (services/simulator/costs.py).
 """
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
@@ -76,3 +76,19 @@ class StepsLoad:
             return {}
         widest = latency.bits[0]
         return {full_bits if bits == widest else bits: self.layer_seconds(latency, bits) for bits in latency.bits}
+
+
+class LatencyReports:
+    """What an executor given a latency profile reports of it (`layer_seconds`): widths_seconds over its steps
+    since the last report that had any; between two such reports, that one's again."""
+
+    def __init__(self, latency: "FittedLatency", full_bits: int):
+        self.latency, self.full_bits = latency, full_bits
+        self.counted, self.reported = StepsLoad(), {}
+
+    def report(self, steps: StepsLoad) -> dict[int, float]:
+        """`steps`: the executor's count so far."""
+        recent = steps.since(self.counted)
+        if recent.decode_steps or recent.prefill_steps:
+            self.counted, self.reported = replace(steps), recent.widths_seconds(self.latency, self.full_bits)
+        return self.reported

@@ -33,10 +33,10 @@ What quantizing answers: KV short (usage at the mark, free pages below one seque
 admission held for pages) it answers by itself, with the pages it frees. A queue that waits with KV to spare
 (the delay, a full queue, a refusal) waits on compute, and quantizing answers that only where fewer bits make the
 steps faster, as MorphServe finds on its kernels. Where the executor reports its latency profile's layer seconds
-(`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on the
-H100 the 8B's measured INT8 and INT4 layers are slower than bf16 in both phases, and quantizing every 8B executor
-for its queue cost the whole trace 15% more failed requests (docs/controller.md). Without a profile, MorphServe's
-premise stands: fewer bits are faster.
+(`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on an
+H100 the 8B's INT8 and INT4 layers are slower than bf16 in prefill and, at batches of 64 and more, in decode, and
+quantizing every 8B executor for its queue cost the whole trace 15% more failed requests (docs/controller.md).
+Without a profile, MorphServe's premise stands: fewer bits are faster.
 
 Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
 several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its

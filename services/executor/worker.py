@@ -90,7 +90,7 @@ class Snapshot:
     departures: tuple[int, float] = (0, 0.0)  # Departures.recent(): requests that left the waiting queue lately
     accepted: int = 0  # requests accepted by then (EngineWorker._accepted); stats.waiting counts those not added
     taken: float = field(default_factory=time.time)  # telemetry carries this time: when it was true
-    steps_load: StepsLoad = field(default_factory=StepsLoad)  # the engine's steps so far (phases.py)
+    steps_load: StepsLoad | None = None  # the engine's steps so far, where it counts them (phases.py)
 
 
 def rejection(executor: str, req: GenerateRequest, kind: str, message: str, param: str | None = None,
@@ -292,7 +292,7 @@ class EngineWorker:
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
                         self._units(), self._departures.recent(), accepted,
-                        steps_load=replace(self.engine.steps_load))
+                        steps_load=replace(counted) if (counted := self.engine.steps_load) else None)
 
     def _report_pressure(self) -> None:
         stats = self.snapshot.stats

@@ -302,12 +302,18 @@ def urgent(es: ExecutorState, memory: ExecutorMemory, step: tuple[list[int], int
 
 def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMemory | None = None) -> bool:
     """Whether this rung takes the pressure it sees now: under pressure, with a layer left to quantize."""
-    if settings.mode == "off" or not (short_of_kv(es, settings) or queued(es, settings)
-                                      or (memory is not None and urgent(es, memory))):
+    if settings.mode == "off":
+        return False
+    short, waiting = short_of_kv(es, settings), queued(es, settings)
+    events = memory is not None and urgent(es, memory)
+    if not (short or waiting or events):
         return False  # the ladder asks it of every leader at every state, and most are neither on nor pressed
     step = next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order)
-    return step is not None and (under_pressure(es, settings, step)
-                                 or (memory is not None and urgent(es, memory, step)))
+    if step is None:
+        return False
+    if short or (faster(es.telemetry, step) and (waiting or events)):
+        return True
+    return events and urgent(es, memory, step)  # slower quantized: only the KV's events
 
 
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:

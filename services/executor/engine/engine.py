@@ -114,7 +114,9 @@ class LLMEngine:
         self._text: dict[int, TextStream] = {}
         self._pending: list[CompletionDelta] = []
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, finished=0, aborted=0, expired=0)
-        self.steps_load = StepsLoad()  # its steps' phases, for the latency its telemetry reports
+        # Its steps' phases, for the latency its telemetry reports: counted only once a service given a latency
+        # profile asks for them (`count_steps`), so that a step pays nothing for what nobody reads.
+        self.steps_load: StepsLoad | None = None
         self._generate_ids = itertools.count()
         snap = self.arena.ledger.snapshot()
         log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
@@ -216,6 +218,10 @@ class LLMEngine:
         return bool(self._requests or self._pending)
 
     # --- stepping -----------------------------------------------------------------------------
+    def count_steps(self) -> None:
+        """Count every step's phases from now on (`steps_load`)."""
+        self.steps_load = self.steps_load or StepsLoad()
+
     def step(self) -> list[CompletionDelta]:
         now = time.time()
         for request_id, seqs in list(self._requests.items()):
@@ -225,7 +231,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return out
-        self.steps_load.add(*phases(sched.chunks))
+        if self.steps_load is not None:
+            self.steps_load.add(*phases(sched.chunks))
         logits, sampled = self.runner.run(sched)
         for chunk in sched.chunks:
             chunk.seq.num_computed += chunk.length

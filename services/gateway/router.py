@@ -75,7 +75,8 @@ class Unreported:
     def refused(self, executor: str, at: float) -> None:
         """`executor` refused a request at `at` for a full queue: it is asked last until it reports after that."""
         self._refused[executor] = at
-        self._count(executor, 0, 0, full=True)
+        if not self._totals.get(executor, NOTHING_SENT).full:
+            self._count(executor, 0, 0, full=True)
 
     def _answered(self, executor: str) -> None:
         if (asking := self._asking[executor] - 1) == 0:
@@ -151,14 +152,17 @@ def _least_loaded(state: ClusterState | None, exclude: set[str], model: str, sen
     put them back once per executor tried, its square."""
     heap, reported, aside = _loads(state, model, sent)
     if aside[0] is not exclude or len(exclude) < aside[1]:  # another walk's: what it set aside goes back
-        for entry in aside[2]:
-            heapq.heappush(heap, entry)
+        if heap:
+            for entry in aside[2]:
+                heapq.heappush(heap, entry)
+        else:  # a walk that refused them all set them aside in the heap's order: already a heap
+            heap.extend(aside[2])
         aside[:] = [exclude, 0, []]
     aside[1], skipped, best = len(exclude), aside[2], None
     while heap:
         load, counted = heap[0]
         name = load[-1]
-        if (now := sent.get(name, NOTHING_SENT)) != counted:
+        if (now := sent.get(name, NOTHING_SENT)) is not counted and now != counted:
             heapq.heapreplace(heap, (_weigh(*reported[name], name, now), now))
         elif name in exclude:
             skipped.append(heapq.heappop(heap))

@@ -160,6 +160,8 @@ class SimExecutor(MemberArena):
         self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
         self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
         self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
+        self.departed, self.last_departure_s = 0, float("-inf")  # how many have left it, and when the last did
+        self.refusing: tuple | None = None  # the queue, batch and departures it last refused a wait on (admit)
         self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
         self.requests: dict[str, SimRequest] = {}  # those running or waiting: the scheduler's sequences, by id
         self.longest: int | None = 0  # the most tokens one of `requests` ends with; None: to count again
@@ -229,27 +231,40 @@ class SimExecutor(MemberArena):
         if self.group is not None and self.group.leader is not self:
             raise FollowerRefusal(f"{self.id} follows {self.group.leader.id} in instance {self.group.plan.id}: "
                                   f"requests go to the leader")
-        departures, span_s = self.departures.recent(now)
         scheduler = self.scheduler
-        ahead = waiting_ahead(len(scheduler.waiting), len(scheduler.running), scheduler.max_num_seqs)
-        if not admits(ahead, departures, span_s, self.max_queue_wait_s):
+        waiting, running = len(scheduler.waiting), len(scheduler.running)
+        queue = (waiting, running, scheduler.max_num_seqs, self.departed)
+        if self._refused_before(queue, now):
             self.rejected += 1
-            raise QueueFullError(len(scheduler.waiting), self.limits.max_waiting)
+            raise QueueFullError(waiting, self.limits.max_waiting)
+        departures, span_s = self.departures.recent(now)
+        if not admits(waiting_ahead(waiting, running, scheduler.max_num_seqs), departures, span_s,
+                      self.max_queue_wait_s):
+            self.refusing = queue
+            self.rejected += 1
+            raise QueueFullError(waiting, self.limits.max_waiting)
         blocks, capacity = self.blocks_at_end(request.prompt_tokens, request.output_tokens), self.kv_capacity()
         if blocks > capacity:
             raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,
                                   capacity)
+        if waiting >= scheduler.max_waiting:  # Scheduler.add's refusal, before a sequence is made for nothing
+            self.rejected += 1
+            raise QueueFullError(waiting, scheduler.max_waiting)
         seq = Sequence(str(request.index), 0, CountedTokens(request.prompt_tokens),
                        sampling(request.output_tokens), now, output_ids=CountedTokens())
-        try:
-            self.scheduler.add(seq)
-        except QueueFullError:
-            self.rejected += 1
-            raise
+        scheduler.add(seq)
         request.executor, request.admitted_s = self.id, now
         self.requests[seq.request_id] = request
         if self.longest is not None:
             self.longest = max(self.longest, request.prompt_tokens + request.output_tokens)
+
+    def _refused_before(self, queue: tuple, now: float) -> bool:
+        """Whether admit() refused a wait on the same `queue` (its waiting, running, batch cap and departures so far)
+        and would again: with them unchanged the predicted wait only grows, until the last departure leaves the
+        window and the rate is unknown again (admission.py). Past its capacity a fleet's every arrival is offered to
+        every full executor in turn, two hundred refusals an arrival: predicted afresh, four fifths of the
+        overloaded trace's time."""
+        return queue == self.refusing and now - LATENCY_WINDOW_S <= self.last_departure_s
 
     def start_step(self, now: float) -> float | None:
         """Schedule the next step, a run of decode steps (decode_run.py) or a decode batch's step (decode_batch.py);
@@ -447,6 +462,7 @@ class SimExecutor(MemberArena):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = request.first_scheduled_s = started
                 self.departures.record(now)
+                self.departed, self.last_departure_s = self.departed + 1, now
                 self.queue_delay.record(started - request.admitted_s, now)
             outputs = seq.output_ids
             if start + length != prompt + len(outputs):  # not the sequence's last token (ScheduledChunk.completes)

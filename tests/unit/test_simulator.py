@@ -18,6 +18,7 @@ from services.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
 from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
+from services.executor.engine.errors import QueueFullError
 from services.simulator import executor as simulated_executor
 from services.simulator import run as simulate_cli
 from services.simulator import tp
@@ -905,6 +906,63 @@ def test_reports_of_pressure_no_state_would_read_are_not_built_and_change_nothin
                                                                         for r in full.requests]
     assert lean_states == full_states and lean.events == full.events
     assert len(lean_built) < len(full_built) * 0.8
+
+
+def test_a_wait_refused_again_on_the_same_queue_is_refused_without_predicting_it_and_changes_nothing(tmp_path,
+                                                                                                    monkeypatch):
+    """Overloaded with a short bound on the predicted wait, every arrival is offered to each executor whose wait
+    is too long: refused again on the same queue and departures, it is refused without predicting the wait
+    again, and the requests, the states, the events and the refusals counted come out as when each is
+    predicted afresh."""
+    fleet = read_fleet(write_fleet(tmp_path, count=3, max_num_seqs=2, max_waiting=64))
+    arrivals = [TraceRequest(0.5 + i * 0.005, 100, 10) for i in range(600)]
+    settings = SimSettings(monitor=MonitorConfig(publish_interval_s=0.5))
+
+    def played(again: bool):
+        states, refused_again = [], []
+        publish, refused_before = Simulation._publish, SimExecutor._refused_before
+
+        def counted(self, queue, now):
+            if not refused_before(self, queue, now):
+                return False
+            refused_again.append(now)
+            return again  # else predicted afresh
+
+        with monkeypatch.context() as m:
+            m.setattr(Simulation, "_publish", lambda self: publish(self) or states.append(self.state))
+            m.setattr(SimExecutor, "_refused_before", counted)
+            simulation = Simulation(fleet, settings)
+            for executor in simulation.executors.values():
+                executor.max_queue_wait_s = 0.3
+            run = simulation.run(arrivals)
+        rejected = {name: executor.rejected for name, executor in simulation.executors.items()}
+        return run, states, rejected, refused_again
+
+    lean, lean_states, lean_rejected, refused_again = played(again=True)
+    full, full_states, full_rejected, _ = played(again=False)
+    assert sum(r.error is not None for r in full.requests) > 100
+    assert len(refused_again) > 100
+    assert [(r.executor, r.done_s, r.error) for r in lean.requests] == [(r.executor, r.done_s, r.error)
+                                                                        for r in full.requests]
+    assert lean_states == full_states and lean.events == full.events and lean_rejected == full_rejected
+
+
+def test_a_wait_refused_is_admitted_once_the_last_departure_leaves_the_window(tmp_path):
+    """The rate requests leave the queue at is unknown once none has left over the latency window: a request is
+    then admitted whatever the queue's length predicted before (admission.py), however long it was refused."""
+    fleet = read_fleet(write_fleet(tmp_path, max_num_seqs=1))
+    executor = SimExecutor(fleet.executors[0], fleet)
+    executor.max_queue_wait_s = 0.5
+    for index in range(10):
+        executor.admit(SimRequest(index, 0.0, 100, 400), 0.0)  # none has left yet: no rate, admitted
+    ends = executor.start_step(0.0)
+    executor.finish_step(ends)  # the first left the queue: nine wait behind one slot, ~0.07 s a departure
+    window = simulated_executor.LATENCY_WINDOW_S
+    for now in (ends + 0.01, ends + window / 2, ends + window - 0.01):
+        with pytest.raises(QueueFullError):
+            executor.admit(SimRequest(10, now, 100, 400), now)
+    executor.admit(SimRequest(10, ends + window + 0.01, 100, 400), ends + window + 0.01)
+    assert executor.rejected == 3 and len(executor.scheduler.waiting) == 10
 
 
 def test_an_overloaded_executor_reports_out_of_cycle_once_between_two_beats_as_its_heartbeat_does(tmp_path,

@@ -242,7 +242,7 @@ class ExecutorTelemetry(Message):
     # `preemptions` they make `pressure_events`, whose growth wakes the monitor and the controller at once.
     admission_blocked: int = 0
     rejected: int = 0
-    # One decoder layer's seconds at each width over its steps since the last report that had any, as the latency
+    # One decoder layer's seconds at each width over its steps of the latency window (its means' 10 s), as the latency
     # profile it was given predicts them (SplitQuant's, `morphling profile --latency`); empty without one. The
     # morph rung reads it: quantizing answers a queue that waits on compute only where fewer bits are faster
     # (policies/morph.py).

@@ -106,7 +106,7 @@ class ExecutorService:
 
             latency = load_profile(config.latency_profile)
             latency.check_layers(engine.model_config, config.latency_profile)
-            self._latency = LatencyReports(latency, engine.model.full_bits)
+            self._latency = LatencyReports(latency, engine.model.full_bits, config.latency_window_s)
             engine.count_steps()
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
@@ -374,7 +374,7 @@ class ExecutorService:
             kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()], longest_blocks=snap.longest_blocks,
             kv_heads=engine.model_config.num_kv_heads,
             merge_hold_s=max(0.0, worker.hold_until - time.monotonic()) if engine.member is not None else 0.0,
-            layer_seconds=self._latency.report(snap.steps_load)
+            layer_seconds=self._latency.report(snap.steps_load, snap.taken)
             if self._latency is not None and snap.steps_load is not None else {})
 
     def _gpu_stats(self) -> GpuStats | None:

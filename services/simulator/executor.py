@@ -188,7 +188,8 @@ class SimExecutor(MemberArena):
         # Where it reports its latency profile (`reports_latency`): its steps' phases, counted as the engine counts
         # them, what it reports of them, and a decode run's batch and first step's contexts.
         self.steps_load = StepsLoad()
-        self.latency_reports = LatencyReports(spec.latency, FULL_BITS) if spec.reports_latency else None
+        self.latency_reports = (LatencyReports(spec.latency, FULL_BITS, LATENCY_WINDOW_S) if spec.reports_latency
+                                else None)
         self.run_began: tuple[int, int] = (0, 0)
 
     def _lay_out(self, num_pages: int, bits: int, arenas: dict) -> tuple:
@@ -644,4 +645,4 @@ class SimExecutor(MemberArena):
             pages_growth=self._pages_growth(),
             busy=self.busy.share(now),
             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
-            layer_seconds=self.latency_reports.report(self.steps_load) if self.latency_reports else {})
+            layer_seconds=self.latency_reports.report(self.steps_load, now) if self.latency_reports else {})

@@ -364,13 +364,15 @@ def test_request_spans_join_the_gateway_trace(nats_server, tiny, spans):
 
 
 DECODE_S = {16: 0.004, 8: 0.006, 4: 0.005}  # a layer's decode at each width, whatever the batch and context
+PREFILL_S = 0.01  # a layer's prefill at every width
 
 
 def write_latency_profile(path: Path, layers: object) -> Path:
-    """A `morphling profile --latency` JSON for layers of the shape of `layers` whose decode takes DECODE_S."""
+    """A `morphling profile --latency` JSON for layers of the shape of `layers` whose decode takes DECODE_S and
+    prefill PREFILL_S."""
     shape = {k: getattr(layers, k) for k in ("hidden_size", "intermediate_size", "num_kv_heads")}
     path.write_text(json.dumps(FittedLatency("cpu", shape, {
-        "prefill": {b: [0.01] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in DECODE_S},
+        "prefill": {b: [PREFILL_S] + [0.0] * (len(PREFILL_FEATURES) - 1) for b in DECODE_S},
         "decode": {b: [s] + [0.0] * (len(DECODE_FEATURES) - 1) for b, s in DECODE_S.items()}}).to_profile()))
     return path
 
@@ -396,15 +398,16 @@ def test_main_serves_until_sigterm_then_finishes_in_flight_work(nats_server, tin
                 ).accepted
         while "last" not in gw.deltas:
             await asyncio.sleep(0.01)
-        # Decoding, it reports what its profile predicts of its steps since the last report, full precision under
-        # the bits its layers report: some decode steps, each DECODE_S a layer.
+        # Decoding, it reports what its profile predicts of its steps of the last ten seconds, full precision under
+        # the bits its layers report: the prompt's prefill step, PREFILL_S a layer, and some decode steps, DECODE_S.
         decoding = await gw.telemetry_where(lambda t: t.running == 1 and set(t.layer_seconds) == {32, 8, 4}
-                                            and t.layer_seconds[8] / t.layer_seconds[32] == pytest.approx(1.5))
+                                            and t.layer_seconds[8] > t.layer_seconds[32])
         assert decoding.layers == [32] * len(decoding.layers)
-        steps = decoding.layer_seconds[32] / DECODE_S[16]
+        steps = (decoding.layer_seconds[8] - decoding.layer_seconds[32]) / (DECODE_S[8] - DECODE_S[16])
         assert steps == pytest.approx(round(steps)) and steps >= 1
-        assert decoding.layer_seconds == pytest.approx({32: steps * DECODE_S[16], 8: steps * DECODE_S[8],
-                                                        4: steps * DECODE_S[4]})
+        assert decoding.layer_seconds == pytest.approx({32: PREFILL_S + steps * DECODE_S[16],
+                                                        8: PREFILL_S + steps * DECODE_S[8],
+                                                        4: PREFILL_S + steps * DECODE_S[4]})
         proc.send_signal(signal.SIGTERM)
         signalled = time.time()
         deltas = await gw.finished("last", timeout=30)  # in flight at SIGTERM: it still completes

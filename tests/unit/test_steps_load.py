@@ -31,11 +31,15 @@ def test_the_steps_between_two_counts_are_their_difference_each_phase_as_steps_o
     assert recent.widths_seconds(latency, full_bits=32) == pytest.approx({32: full, 8: 2 * full, 4: 3 * full})
     assert StepsLoad().widths_seconds(latency, full_bits=16) == {}  # no steps: nothing to say
 
-    # A report says what the steps since the last report that had any took; with none since, that one's again.
-    reports = LatencyReports(latency, full_bits=32)
-    first = reports.report(load)
-    assert first == pytest.approx(load.widths_seconds(latency, 32))
-    assert reports.report(load) == first
+    # A report says what the steps of the last ten seconds took: those since the last report at or before their start.
+    reports = LatencyReports(latency, full_bits=32, window_s=10.0)
+    assert reports.report(StepsLoad(), 0.0) == {}  # no step yet
+    assert reports.report(load, 1.0) == pytest.approx(load.widths_seconds(latency, 32))  # every step from the start
+    at_one = StepsLoad(**vars(load))
     load.add(0, 0, [50])
+    assert reports.report(load, 10.5) == pytest.approx(load.widths_seconds(latency, 32))  # 0.0 is the window's start
     one_prompt = StepsLoad(prefill_steps=1, chunks=1, tokens=50)
-    assert reports.report(load) == pytest.approx(one_prompt.widths_seconds(latency, 32))
+    assert reports.report(load, 11.0) == pytest.approx(one_prompt.widths_seconds(latency, 32))  # from 1.0's count
+    assert reports.report(load, 11.2) == pytest.approx(one_prompt.widths_seconds(latency, 32))  # no step since
+    assert load.since(at_one) == one_prompt
+    assert reports.report(load, 21.0) == {}  # none over the last ten seconds

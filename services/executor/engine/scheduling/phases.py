@@ -6,6 +6,7 @@ morph rung reads it before it quantizes for a queue (services/controller/policie
 times its steps from the same phases (services/simulator/costs.py).
 """
 
+from collections import deque
 from dataclasses import astuple, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -79,16 +80,21 @@ class StepsLoad:
 
 
 class LatencyReports:
-    """What an executor given a latency profile reports of it (`layer_seconds`): widths_seconds over its steps
-    since the last report that had any; between two such reports, that one's again."""
+    """What an executor given a latency profile reports of it (`layer_seconds`): widths_seconds over its steps of the
+    last `window_s` seconds, the window its telemetry's latencies are means over (ExecutorConfig.latency_window_s).
+    A report's own interval (a tenth of a second) may hold one decode run and no prefill: a verdict on what a
+    quantize would serve that the prefills around it can reverse (docs/controller.md, "When fewer bits are
+    slower")."""
 
-    def __init__(self, latency: "FittedLatency", full_bits: int):
-        self.latency, self.full_bits = latency, full_bits
-        self.counted, self.reported = StepsLoad(), {}
+    def __init__(self, latency: "FittedLatency", full_bits: int, window_s: float):
+        self.latency, self.full_bits, self.window_s = latency, full_bits, window_s
+        # (when, the count then) at each report within the window, and the last one before it: the window's start
+        self.counts: deque[tuple[float, StepsLoad]] = deque([(float("-inf"), StepsLoad())])
 
-    def report(self, steps: StepsLoad) -> dict[int, float]:
-        """`steps`: the executor's count so far."""
-        recent = steps.since(self.counted)
-        if recent.decode_steps or recent.prefill_steps:
-            self.counted, self.reported = replace(steps), recent.widths_seconds(self.latency, self.full_bits)
-        return self.reported
+    def report(self, steps: StepsLoad, now: float) -> dict[int, float]:
+        """`steps`: the executor's count so far, at `now` (seconds, the clock of its reports)."""
+        counts = self.counts
+        counts.append((now, replace(steps)))
+        while counts[1][0] <= now - self.window_s:
+            counts.popleft()
+        return steps.since(counts[0][1]).widths_seconds(self.latency, self.full_bits)

@@ -48,9 +48,16 @@ class Departures:
         self.window_s = window_s
         self._started = time.monotonic() if now is None else now
         self._times: deque[float] = deque()
+        self.recorded = 0  # departures ever recorded: whether any came since an earlier count
 
     def record(self, now: float | None = None) -> None:
         self._times.append(time.monotonic() if now is None else now)
+        self.recorded += 1
+
+    def any_within(self, now: float) -> bool:
+        """Whether a departure is still within the window at `now` (as recent() counts them): with none the rate
+        is unknown."""
+        return bool(self._times) and not self._times[-1] < now - self.window_s
 
     def recent(self, now: float | None = None) -> tuple[int, float]:
         """(departures, seconds they were counted over): the window, or less on a younger executor, whose

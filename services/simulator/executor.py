@@ -160,7 +160,6 @@ class SimExecutor(MemberArena):
         self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
         self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
         self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
-        self.departed, self.last_departure_s = 0, float("-inf")  # how many have left it, and when the last did
         self.refusing: tuple | None = None  # the queue, batch and departures it last refused a wait on (admit)
         self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
         self.requests: dict[str, SimRequest] = {}  # those running or waiting: the scheduler's sequences, by id
@@ -234,7 +233,7 @@ class SimExecutor(MemberArena):
                                   f"requests go to the leader")
         scheduler = self.scheduler
         waiting, running = len(scheduler.waiting), len(scheduler.running)
-        queue = (waiting, running, scheduler.max_num_seqs, self.departed)
+        queue = (waiting, running, scheduler.max_num_seqs, self.departures.recorded)
         if self._refused_before(queue, now):
             self.rejected += 1
             raise QueueFullError(waiting, self.limits.max_waiting)
@@ -265,7 +264,7 @@ class SimExecutor(MemberArena):
         window and the rate is unknown again (admission.py). Past its capacity a fleet's every arrival is offered to
         every full executor in turn, two hundred refusals an arrival: predicted afresh, four fifths of the
         overloaded trace's time."""
-        return queue == self.refusing and now - LATENCY_WINDOW_S <= self.last_departure_s
+        return queue == self.refusing and self.departures.any_within(now)
 
     def start_step(self, now: float) -> float | None:
         """Schedule the next step, a run of decode steps (decode_run.py) or a decode batch's step (decode_batch.py);
@@ -463,7 +462,6 @@ class SimExecutor(MemberArena):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = request.first_scheduled_s = started
                 self.departures.record(now)
-                self.departed, self.last_departure_s = self.departed + 1, now
                 self.queue_delay.record(started - request.admitted_s, now)
             outputs = seq.output_ids
             if start + length != prompt + len(outputs):  # not the sequence's last token (ScheduledChunk.completes)

@@ -142,13 +142,14 @@ def plan_batch_run(batch: DecodeBatch, now: float,
         return None
     t, size, n = batch.tick, batch.blocks.block_size, len(batch.marks)
     steps = min(MAX_RUN_STEPS, batch.end_ticks[0] - t + 1)
-    opening = [len(batch.opening(t + step)) for step in range(min(size, steps))]
     free = batch.blocks.ledger.num_free
-    for step in range(steps):
-        free -= opening[step % size]
-        if free < 0:  # the scheduler would preempt in that step: the run stops before it
-            steps = step
-            break
+    if free < n * -(-steps // size):  # else pages for a block each member every block_size steps: they fit
+        opening = [len(batch.opening(t + step)) for step in range(min(size, steps))]
+        for step in range(steps):
+            free -= opening[step % size]
+            if free < 0:  # the scheduler would preempt in that step: the run stops before it
+                steps = step
+                break
     if steps < 1:
         return None
     ends, parts = _timed(timing(n, batch.offset + n * (t + 1)), steps, now)

@@ -331,9 +331,19 @@ class SimExecutor(MemberArena):
         """The other members of its instance compute their parts of the step beginning `now`."""
         for name, part in parts.items():
             if name != self.id and part > 0:
-                member = self.group.members[name]
-                member.busy.begin(now)
-                member.busy.end(now + part)
+                self.group.members[name].busy.spans([(now, now + part)])
+
+    def _members_busy_over(self, run: decode_run.DecodeRun, began: int, started: int) -> None:
+        """_members_busy for each of `run`'s steps from `began` to `started`: each member's spans marked at once."""
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for step in range(began, started):
+            start = run.start_of(step)
+            for name, part in run.parts[step].items():
+                if name != self.id and part > 0:
+                    spans.setdefault(name, []).append((start, start + part))
+        members = self.group.members
+        for name, marked in spans.items():
+            members[name].busy.spans(marked)
 
     def _run_timing(self, seqs: list[Sequence], base: list[int]):
         """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""
@@ -367,9 +377,8 @@ class SimExecutor(MemberArena):
             step, i = run.pages[run.reserved]
             self.blocks.reserve(run.seqs[i], run.base[i] + step + 1)
             run.reserved += 1
-        if self.group is not None:
-            for step in range(began, started):
-                self._members_busy(run.start_of(step), run.parts[step])
+        if self.group is not None and started > began:
+            self._members_busy_over(run, began, started)
         run.started = started
         if began == 0 and run.started:
             self.busy.begin(run.began)

@@ -981,3 +981,47 @@ def test_an_overloaded_executor_reports_out_of_cycle_once_between_two_beats_as_i
     beats = (1.7 - 0.5) / settings.telemetry_interval_s
     for times in built.values():
         assert beats <= sum(0.5 <= t < 1.7 for t in times) <= 2 * (beats + 1)
+
+
+class OneEventEach(Simulation):
+    """The loop as it was: every arrival on the heap from the start, every executor's periodic report its own
+    event."""
+
+    def _feed(self, requests):
+        for request in requests:
+            self.at(request.arrival_s, self.arrive, request)
+
+    def _beat(self):  # the first beat, at the start: then each executor's own
+        for name in self.executors:
+            self._beat_of(name)
+
+    def _beat_of(self, name):
+        self._woken.discard(name)
+        self._next_beat = self.now + self.settings.telemetry_interval_s
+        self.at(self._next_beat, self._beat_of, name)
+        if self._superseded(name):
+            self._unbuilt[name] = self.now
+        else:
+            self._report(name)
+
+
+def test_arrivals_fed_one_at_a_time_and_reports_beating_as_one_event_change_nothing(tmp_path, monkeypatch):
+    """A whole trace's arrivals on the heap at once made every event dearer, and a thousand executors' reports a
+    beat were a thousand events: fed one at a time, beating as one, a fleet under pressure, with arrivals at the
+    same instant and the quantize lever at work, plays out as it did, request by request, state by state."""
+    fleet = read_fleet(write_fleet(tmp_path, pages=720, count=3, max_num_seqs=4))
+    settings = SimSettings(controller=ControllerConfig(levers=("quantize",), morph_mode="default"),
+                           monitor=MonitorConfig(slo_ttft_s=2.0, slo_tpot_s=0.5))
+    arrivals = [TraceRequest(0.5 + (i // 3) * 0.02, 60 + 7 * (i % 5), 20 + i % 11) for i in range(240)]
+    played = {}
+    for simulation in (Simulation, OneEventEach):
+        states = []
+        publish = simulation._publish
+        with monkeypatch.context() as m:
+            m.setattr(simulation, "_publish", lambda self: publish(self) or states.append(self.state))
+            run = simulation(fleet, settings).run(arrivals)
+        played[simulation] = ([(r.executor, r.first_token_s, r.done_s, r.error) for r in run.requests], states,
+                              run.events)
+    assert [e for e in run.events if e.kind == "command" and e.data["kind"] == "quantize"]
+    assert len({executor for executor, *_ in played[Simulation][0]}) == 3
+    assert played[Simulation] == played[OneEventEach]

@@ -7,7 +7,7 @@ times its steps from the same phases (services/simulator/costs.py).
 """
 
 from collections import deque
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
@@ -56,7 +56,13 @@ class StepsLoad:
             self.tokens += steps * sum(prefills)
 
     def since(self, earlier: "StepsLoad") -> "StepsLoad":
-        return StepsLoad(*(now - then for now, then in zip(astuple(self), astuple(earlier))))
+        # Field by field: astuple deep-copies, and a thousand simulated executors ask ten times a second.
+        return StepsLoad(self.decode_steps - earlier.decode_steps, self.decodes - earlier.decodes,
+                         self.context - earlier.context, self.prefill_steps - earlier.prefill_steps,
+                         self.chunks - earlier.chunks, self.tokens - earlier.tokens)
+
+    def copy(self) -> "StepsLoad":
+        return StepsLoad(self.decode_steps, self.decodes, self.context, self.prefill_steps, self.chunks, self.tokens)
 
     def layer_seconds(self, latency: "FittedLatency | RooflineLatency", bits: int) -> float:
         """One decoder layer's seconds at `bits` over these steps: each phase as that many steps of its mean."""
@@ -94,7 +100,7 @@ class LatencyReports:
     def report(self, steps: StepsLoad, now: float) -> dict[int, float]:
         """`steps`: the executor's count so far, at `now` (seconds, the clock of its reports)."""
         counts = self.counts
-        counts.append((now, replace(steps)))
+        counts.append((now, steps.copy()))
         while counts[1][0] <= now - self.window_s:
             counts.popleft()
         return steps.since(counts[0][1]).widths_seconds(self.latency, self.full_bits)

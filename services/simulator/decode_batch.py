@@ -55,10 +55,13 @@ class DecodeBatch:
     def of(cls, scheduler: Scheduler, blocks: BlockManager, max_model_len: int, written: Written
            ) -> "DecodeBatch | None":
         """The scheduler's running sequences as a batch, or None when one of them is not decoding."""
-        batch = cls(scheduler, blocks, max_model_len, written)
-        for seq in scheduler.running:
+        # Newest first: a prompt going in over several steps is the newest, asked about at each of them; a batch
+        # joined up to it for nothing made a fleet at its edge 6% slower.
+        for seq in reversed(scheduler.running):
             if not seq.output_ids or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING:
                 return None
+        batch = cls(scheduler, blocks, max_model_len, written)
+        for seq in scheduler.running:
             batch.join(seq)
         return batch
 

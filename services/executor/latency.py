@@ -93,21 +93,15 @@ class BusyWindow:
         with self._lock:
             if self._started is None:
                 return
-            self._spans.append((self._started, end))
-            self._total += end - self._started
+            self._add(self._started, end)
             self._started = None
-            if self._spans[0][1] <= end - self.window_s:  # most ends forget nothing: no call for them (a thousand
-                self._forget_before(end - self.window_s)  # simulated executors end a span a step each)
 
     def spans(self, spans: list[tuple[float, float]]) -> None:
         """begin(start) then end(end) for each (start, end) of `spans` in order (a simulated instance's member,
         marked busy for its parts of a decode run's steps at once)."""
         with self._lock:
             for start, end in spans:
-                self._spans.append((start, end))
-                self._total += end - start
-                if self._spans[0][1] <= end - self.window_s:
-                    self._forget_before(end - self.window_s)
+                self._add(start, end)
             self._started = None
 
     def back_to_back(self, ends: list[float]) -> None:
@@ -115,10 +109,7 @@ class BusyWindow:
         with self._lock:
             for end in ends:
                 if self._started is not None:
-                    self._spans.append((self._started, end))
-                    self._total += end - self._started
-                    if self._spans[0][1] <= end - self.window_s:
-                        self._forget_before(end - self.window_s)
+                    self._add(self._started, end)
                 self._started = end
 
     @contextmanager
@@ -144,6 +135,13 @@ class BusyWindow:
             if self._started is not None:
                 busy += max(0.0, now - max(self._started, cutoff))
         return min(1.0, max(0.0, busy) / self.window_s)
+
+    def _add(self, start: float, end: float) -> None:
+        """A span, and those that left the window as it ended forgotten (the lock held)."""
+        self._spans.append((start, end))
+        self._total += end - start
+        if self._spans[0][1] <= end - self.window_s:  # most spans forget nothing: no call for them
+            self._forget_before(end - self.window_s)
 
     def _forget_before(self, cutoff: float) -> None:
         while self._spans and self._spans[0][1] <= cutoff:

@@ -211,19 +211,16 @@ class Simulation:
         thousand-executor run's time went to popping)."""
         first = next(self._order)
         self._order = itertools.count(first + len(requests))  # the order's numbers each arrival would have had
-        arriving = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # ties in order, as the heap's
-        if arriving:
-            self._next_arrival(requests, arriving, first, 0)
+        self._arrive_next(iter(sorted(zip((r.arrival_s for r in requests), itertools.count(first), requests))))
 
-    def _next_arrival(self, requests: list[SimRequest], arriving: list[int], first: int, k: int) -> None:
-        i = arriving[k]
-        heapq.heappush(self._heap, (requests[i].arrival_s, self._others, first + i, self._arrive_in_turn,
-                                    (requests, arriving, first, k)))
+    def _arrive_next(self, arrivals: Iterator[tuple[float, int, SimRequest]]) -> None:
+        if (arrival := next(arrivals, None)) is not None:
+            t, order, request = arrival
+            heapq.heappush(self._heap, (t, self._others, order, self._arrive_in_turn, (arrivals, request)))
 
-    def _arrive_in_turn(self, requests: list[SimRequest], arriving: list[int], first: int, k: int) -> None:
-        if k + 1 < len(arriving):
-            self._next_arrival(requests, arriving, first, k + 1)
-        self.arrive(requests[arriving[k]])
+    def _arrive_in_turn(self, arrivals: Iterator[tuple[float, int, SimRequest]], request: SimRequest) -> None:
+        self._arrive_next(arrivals)
+        self.arrive(request)
 
     def _step_ends_at(self, t: float, name: str, serial: int) -> None:
         """A step's end comes before anything else at the same instant: a decode run's steps have ended by the

@@ -26,6 +26,7 @@ merge) the leader's scheduler is the instance's, whose block ids every member ba
 import functools
 import math
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -324,21 +325,15 @@ class SimExecutor(MemberArena):
                     else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
         seconds, parts = (self.group.step_seconds(out.chunks) if phases is None
                           else self.group.phased_step_seconds(*phases))
-        self._members_busy(now, parts)
+        self._members_busy([(now, parts)])
         return seconds
 
-    def _members_busy(self, now: float, parts: dict[str, float]) -> None:
-        """The other members of its instance compute their parts of the step beginning `now`."""
-        for name, part in parts.items():
-            if name != self.id and part > 0:
-                self.group.members[name].busy.spans([(now, now + part)])
-
-    def _members_busy_over(self, run: decode_run.DecodeRun, began: int, started: int) -> None:
-        """_members_busy for each of `run`'s steps from `began` to `started`: each member's spans marked at once."""
+    def _members_busy(self, steps: Iterable[tuple[float, dict[str, float]]]) -> None:
+        """The other members of its instance compute their parts of `steps` (each its start and the parts): each
+        member's spans marked in one call."""
         spans: dict[str, list[tuple[float, float]]] = {}
-        for step in range(began, started):
-            start = run.start_of(step)
-            for name, part in run.parts[step].items():
+        for start, parts in steps:
+            for name, part in parts.items():
                 if name != self.id and part > 0:
                     spans.setdefault(name, []).append((start, start + part))
         members = self.group.members
@@ -377,8 +372,8 @@ class SimExecutor(MemberArena):
             step, i = run.pages[run.reserved]
             self.blocks.reserve(run.seqs[i], run.base[i] + step + 1)
             run.reserved += 1
-        if self.group is not None and started > began:
-            self._members_busy_over(run, began, started)
+        if self.group is not None:
+            self._members_busy((run.start_of(step), run.parts[step]) for step in range(began, started))
         run.started = started
         if began == 0 and run.started:
             self.busy.begin(run.began)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence, Status
 
 Written = Callable[[Sequence, int, float], None]  # (sequence, tokens written, when the last came): its request's
@@ -104,6 +104,12 @@ class DecodeBatch:
         admitted = SchedulerOutput()
         scheduler.admit(scheduler.max_num_batched_tokens - n, admitted, set())
         return (n, self.offset + n * (self.tick + 1), [c.length for c in admitted.chunks]), admitted
+
+    def decode_chunks(self) -> list[ScheduledChunk]:
+        """The decodes of the step at `tick` as the scheduler's step gives them, in its order: what times a step of
+        an instance whose replicas take its rows request by request (instance.py)."""
+        t = self.tick
+        return [ScheduledChunk(seq, seq.num_computed + t - mark, 1) for seq, mark in self.marks.items()]
 
     def open_blocks(self, opening: list[Sequence] | None = None) -> None:
         """The step at `tick` begins: each member whose token opens a block takes a page, in the batch's order: a

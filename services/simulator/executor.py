@@ -272,7 +272,7 @@ class SimExecutor(MemberArena):
         when it ends, or None when there is nothing to run."""
         phases = None
         if self.decode_runs and self.leads:
-            if self.batch is None and (self.group is None or self.group.phased_step_seconds):
+            if self.batch is None:
                 self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written)
                 self.batch_mix = (self.layer_bits.count(8), self.layer_bits.count(4))
             if self.batch is not None:
@@ -323,8 +323,12 @@ class SimExecutor(MemberArena):
         if self.group is None:
             return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
                     else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
-        seconds, parts = (self.group.step_seconds(out.chunks) if phases is None
-                          else self.group.phased_step_seconds(*phases))
+        if phases is None:
+            seconds, parts = self.group.step_seconds(out.chunks)
+        elif self.group.steps_by_phases:
+            seconds, parts = self.group.phased_step_seconds(*phases)
+        else:
+            seconds, parts = self.group.step_seconds(self.batch.decode_chunks() + out.chunks)
         self._members_busy([(now, parts)])
         return seconds
 
@@ -354,7 +358,10 @@ class SimExecutor(MemberArena):
         if self.group is None:
             seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
-        return self.group.batch_timing(batch, contexts)
+        if self.group.steps_by_phases:
+            return self.group.batch_timing(batch, contexts)
+        decodes = self.batch.decode_chunks()
+        return self.group.decode_timing([c.seq for c in decodes], [c.start for c in decodes])
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have

@@ -100,8 +100,6 @@ def swap(instance, args: QuantizeArgs | RestoreArgs) -> tuple[dict, float]:
 class SimInstance:
     """A TP1 instance of several members (`members`: SimExecutor by name, the plan's leader among them)."""
 
-    phased_step_seconds = None  # its replicas take a step's rows chunk by chunk: only its chunks time a step
-
     def __init__(self, plan: InstancePlan, members: dict):
         self.plan, self.members = plan, members
         self.parts = _parts(plan)
@@ -201,15 +199,37 @@ class SimInstance:
         busy[leader] = seconds
         return seconds, busy
 
+    @property
+    def steps_by_phases(self) -> bool:
+        """Whether a step's phases (costs.phases) alone time it, as a decode batch gives them (decode_batch.py):
+        where no segment is replicated. A replicated segment's rows go to its replicas request by request
+        (assign_replicas), so that only a step's chunks time it."""
+        return all(len(segment.placement) == 1 for segment, _ in self.parts)
+
+    def phased_step_seconds(self, decodes: int, context: int, prefills: list[int]) -> tuple[float, dict[str, float]]:
+        """step_seconds of a step given as its phases, where steps_by_phases: every segment's one member computes
+        all of its rows. The same sums in the same order, to the float."""
+        leader, spec, tokens = self.plan.leader, self.leader.spec, decodes + sum(prefills)
+        travel = 2 * costs.hop_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, tokens))
+        busy = dict.fromkeys(self.members, 0.0)
+        seconds = 0.0
+        for segment, bits in self.parts:
+            (name,) = segment.placement
+            compute = sum(layers * costs.phase_seconds(self.members[name].spec, b, decodes, context, prefills)
+                          for b, layers in bits)
+            busy[name] += compute
+            seconds += max(0.0, compute + travel if name != leader else compute)
+        seconds += spec.overhead.at(tokens)
+        busy[leader] = seconds
+        return seconds, busy
+
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
         """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens
         computed plus `step`: the same sums in the same order, to the float, without building each step's chunks.
         A run's sequences keep their replicas (assign_replicas), so who computes which rows is settled at its first
         step, as step_seconds settles it."""
-        spec, leader = self.leader.spec, self.plan.leader
-        shape, ids = self.leader.shape, [seq.request_id for seq in seqs]
-        hops: dict[int, float] = {}
-        parts = []  # per segment, per member: (name, batch, base tokens summed, (layers, decode line) by bits, hops)
+        ids = [seq.request_id for seq in seqs]
+        shares = []
         for index, (segment, bits) in enumerate(self.parts):
             if len(segment.placement) == 1:
                 owners = {segment.placement[0]: range(len(seqs))}
@@ -219,17 +239,33 @@ class SimInstance:
                 sticky.update(owner)
                 owners = {m: [k for k, request_id in enumerate(ids) if owner[request_id] == m]
                           for m in segment.placement}
+            shares.append([(name, len(mine), sum(base[k] for k in mine)) for name, mine in owners.items()])
+        return self._decode_steps(shares, len(seqs))
+
+    def batch_timing(self, batch: int, contexts: int) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """decode_timing of a decode batch's run, where steps_by_phases: `batch` decodes whose contexts summed
+        `contexts` at its first step, all of them on every segment's one member."""
+        return self._decode_steps([[(segment.placement[0], batch, contexts - batch)] for segment, _ in self.parts],
+                                  batch)
+
+    def _decode_steps(self, shares: list[list[tuple[str, int, int]]], decodes: int
+                      ) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """The step-th decode step's timing, `shares` saying for every segment who decodes how many of the `decodes`
+        and their tokens computed before the run, summed."""
+        spec, leader, shape = self.leader.spec, self.plan.leader, self.leader.shape
+        hops: dict[int, float] = {}
+        parts = []  # per segment, per member: (name, batch, base tokens summed, (layers, decode line) by bits, hops)
+        for (_, bits), share in zip(self.parts, shares):
             row = []
-            for name, mine in owners.items():
-                batch = len(mine)
+            for name, batch, base_tokens in share:
                 if name != leader and batch and batch not in hops:
                     hops[batch] = costs.hop_seconds(spec, costs.hidden_bytes(shape, spec.dtype_bytes, batch))
                 travel = 2 * hops[batch] if name != leader and batch else 0.0
                 latency = self.members[name].spec.latency
                 lines = [(layers, latency.decode_line(b, batch)) for b, layers in bits] if batch else []
-                row.append((name, batch, sum(base[k] for k in mine), lines, travel))
+                row.append((name, batch, base_tokens, lines, travel))
             parts.append(row)
-        overhead = spec.overhead.at(len(seqs))
+        overhead = spec.overhead.at(decodes)
 
         def timing(step: int) -> tuple[float, dict[str, float]]:
             busy = dict.fromkeys(self.members, 0.0)

@@ -92,6 +92,8 @@ def _ffn_pages_freed_per_layer(shape: ModelShape, bits: int, dtype_bytes: int, p
 
 
 class SimTpInstance:
+    steps_by_phases = True  # every member computes its share of every row: a step's phases time it
+
     def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float,
                  min_blocks: int = 0, ledger: PageLedger | None = None):
         """An instance `started` has its block ids' `ledger`, whose ids above `blocks` are withdrawn till a swap

@@ -31,11 +31,6 @@ from shared.planner.roofline import MEMORY_EFFICIENCY
 from shared.planner.shapes import ModelShape
 
 
-def layer_seconds(spec: ExecutorSpec, bits: int, chunks: Sequence[ScheduledChunk]) -> float:
-    """One decoder layer at `bits` over `chunks`: their decodes as one batch, their prefill chunks as another."""
-    return phase_seconds(spec, bits, *phases(chunks))
-
-
 def phase_seconds(spec: ExecutorSpec, bits: int, decodes: int, context: int, prefills: list[int]) -> float:
     """One decoder layer at `bits`: `decodes` at their mean context, then the prefill chunks as one batch."""
     seconds = 0.0

@@ -31,15 +31,20 @@ from collections.abc import Callable
 
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from services.executor.engine.scheduling.sequence import Sequence, Status
+from services.simulator.replica_rows import ReplicaRows
 
 Written = Callable[[Sequence, int, float], None]  # (sequence, tokens written, when the last came): its request's
 
 
 class DecodeBatch:
-    def __init__(self, scheduler: Scheduler, blocks: BlockManager, max_model_len: int, written: Written):
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager, max_model_len: int, written: Written,
+                 rows: ReplicaRows | None = None):
+        """`rows`: its members counted by replica, told as they join and leave (a CoCoServe instance's, whose
+        replicas take a step's rows request by request)."""
         self.scheduler, self.blocks, self.max_model_len, self.written = scheduler, blocks, max_model_len, written
+        self.rows = rows
         self.tick = 0  # its steps ended
         self.ended_s = 0.0  # when the last of them ended
         self.marks: dict[Sequence, int] = {}  # member -> the tick its tokens are written up to
@@ -52,15 +57,15 @@ class DecodeBatch:
         self.growth = 0  # the pages its members still take before they end (growth.py's pages_growth of them)
 
     @classmethod
-    def of(cls, scheduler: Scheduler, blocks: BlockManager, max_model_len: int, written: Written
-           ) -> "DecodeBatch | None":
+    def of(cls, scheduler: Scheduler, blocks: BlockManager, max_model_len: int, written: Written,
+           rows: ReplicaRows | None = None) -> "DecodeBatch | None":
         """The scheduler's running sequences as a batch, or None when one of them is not decoding."""
         # Newest first: a prompt going in over several steps is the newest, asked about at each of them; a batch
         # joined up to it for nothing made a fleet at its edge 6% slower.
         for seq in reversed(scheduler.running):
             if not seq.output_ids or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING:
                 return None
-        batch = cls(scheduler, blocks, max_model_len, written)
+        batch = cls(scheduler, blocks, max_model_len, written, rows)
         for seq in scheduler.running:
             batch.join(seq)
         return batch
@@ -72,6 +77,8 @@ class DecodeBatch:
         self.places[seq] = self.joined
         self.joined += 1
         self.offset += seq.num_computed - t
+        if self.rows is not None:
+            self.rows.joined(seq, seq.num_computed - t)
         # The step at tick t writes position num_computed + (t - mark); it opens a block at the table's end.
         self.opens.setdefault(t + len(seq.block_table) * self.blocks.block_size - seq.num_computed, []).append(seq)
         self.growth += self._growth(seq)
@@ -105,12 +112,6 @@ class DecodeBatch:
         scheduler.admit(scheduler.max_num_batched_tokens - n, admitted, set())
         return (n, self.offset + n * (self.tick + 1), [c.length for c in admitted.chunks]), admitted
 
-    def decode_chunks(self) -> list[ScheduledChunk]:
-        """The decodes of the step at `tick` as the scheduler's step gives them, in its order: what times a step of
-        an instance whose replicas take its rows request by request (instance.py)."""
-        t = self.tick
-        return [ScheduledChunk(seq, seq.num_computed + t - mark, 1) for seq, mark in self.marks.items()]
-
     def open_blocks(self, opening: list[Sequence] | None = None) -> None:
         """The step at `tick` begins: each member whose token opens a block takes a page, in the batch's order: a
         fresh page at its table's end, what BlockManager.reserve gives a sequence whose blocks none shares, and
@@ -139,7 +140,10 @@ class DecodeBatch:
         for seq in done:
             self.growth -= self._growth(seq)
             self.write(seq)
-            self.offset -= seq.num_computed - self.marks.pop(seq)
+            drift = seq.num_computed - self.marks.pop(seq)
+            self.offset -= drift
+            if self.rows is not None:
+                self.rows.left(seq, drift)
             del self.places[seq]
         return done
 

@@ -273,7 +273,8 @@ class SimExecutor(MemberArena):
         phases = None
         if self.decode_runs and self.leads:
             if self.batch is None:
-                self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written)
+                rows = self.group.replica_rows() if self.group is not None and not self.group.steps_by_phases else None
+                self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written, rows)
                 self.batch_mix = (self.layer_bits.count(8), self.layer_bits.count(4))
             if self.batch is not None:
                 self.run = decode_run.plan_batch_run(self.batch, now, self._batch_timing)
@@ -328,7 +329,7 @@ class SimExecutor(MemberArena):
         elif self.group.steps_by_phases:
             seconds, parts = self.group.phased_step_seconds(*phases)
         else:
-            seconds, parts = self.group.step_seconds(self.batch.decode_chunks() + out.chunks)
+            seconds, parts = self.group.batch_step_seconds(self.batch, out.chunks)
         self._members_busy([(now, parts)])
         return seconds
 
@@ -360,8 +361,7 @@ class SimExecutor(MemberArena):
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
         if self.group.steps_by_phases:
             return self.group.batch_timing(batch, contexts)
-        decodes = self.batch.decode_chunks()
-        return self.group.decode_timing([c.seq for c in decodes], [c.start for c in decodes])
+        return self.group.batch_run_timing(self.batch)
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have

@@ -25,14 +25,17 @@ A step, segment by segment (shared/plans.segments), as the fabric runs it:
 - then the rest of a step on the leader (the speed-up profile's overhead line).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from services.executor.engine.errors import OutOfPagesError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.scheduling.phases import Phases
 from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from services.executor.fabric.replicas import assign_replicas, reassign
 from services.simulator import costs
+from services.simulator.decode_batch import DecodeBatch
+from services.simulator.replica_rows import ReplicaRows
 from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 from shared.plans import FULL_BITS, OperationRefused, Segment, layers_on, reshaped, segments, with_bits
 
@@ -171,57 +174,91 @@ class SimInstance:
     # --- a step -----------------------------------------------------------------------------------
     def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
         """(the step's seconds, each member's computing seconds in it)."""
-        leader, spec = self.plan.leader, self.leader.spec
-        shape, dtype_bytes = self.leader.shape, spec.dtype_bytes
-
-        def hop(tokens: int) -> float:
-            return costs.hop_seconds(spec, costs.hidden_bytes(shape, dtype_bytes, tokens))
-
-        busy = dict.fromkeys(self.members, 0.0)
-        seconds = 0.0
-        for index, (segment, bits) in enumerate(self.parts):
-            if len(segment.placement) == 1:
-                owners = {segment.placement[0]: chunks}
-            else:
+        def shares() -> Iterator[dict[str, Phases]]:
+            whole = costs.phases(chunks)
+            for index, (segment, _) in enumerate(self.parts):
+                if len(segment.placement) == 1:
+                    yield {segment.placement[0]: whole}
+                    continue
                 sticky = self.sticky.setdefault(index, {})
                 owner = assign_replicas([(c.seq.request_id, c.length) for c in chunks], segment.placement, sticky)
                 sticky.update(owner)
-                owners = {m: [c for c in chunks if owner[c.seq.request_id] == m] for m in segment.placement}
-            longest = 0.0
-            for name, mine in owners.items():
-                member = self.members[name]
-                compute = sum(layers * costs.layer_seconds(member.spec, b, mine) for b, layers in bits)
-                busy[name] += compute
-                travel = 2 * hop(sum(c.length for c in mine)) if name != leader and mine else 0.0
-                longest = max(longest, compute + travel)
-            seconds += longest
-        seconds += spec.overhead.at(sum(c.length for c in chunks))
-        busy[leader] = seconds
-        return seconds, busy
+                rows: dict[str, list[ScheduledChunk]] = {m: [] for m in segment.placement}
+                for c in chunks:
+                    rows[owner[c.seq.request_id]].append(c)
+                yield {m: costs.phases(mine) for m, mine in rows.items()}
+        return self._step(shares(), sum(c.length for c in chunks))
 
     @property
     def steps_by_phases(self) -> bool:
         """Whether a step's phases (costs.phases) alone time it, as a decode batch gives them (decode_batch.py):
         where no segment is replicated. A replicated segment's rows go to its replicas request by request
-        (assign_replicas), so that only a step's chunks time it."""
+        (assign_replicas), so that a step's phases on each replica are needed (batch_step_seconds)."""
         return all(len(segment.placement) == 1 for segment, _ in self.parts)
 
     def phased_step_seconds(self, decodes: int, context: int, prefills: list[int]) -> tuple[float, dict[str, float]]:
         """step_seconds of a step given as its phases, where steps_by_phases: every segment's one member computes
-        all of its rows. The same sums in the same order, to the float."""
-        leader, spec, tokens = self.plan.leader, self.leader.spec, decodes + sum(prefills)
-        travel = 2 * costs.hop_seconds(spec, costs.hidden_bytes(self.leader.shape, spec.dtype_bytes, tokens))
+        all of its rows."""
+        whole = (decodes, context, prefills)
+        return self._step(({segment.placement[0]: whole} for segment, _ in self.parts), decodes + sum(prefills))
+
+    def replica_rows(self) -> ReplicaRows:
+        """A decode batch's members counted by replica (replica_rows.py), for batch_step_seconds and
+        batch_run_timing."""
+        return ReplicaRows(self.parts, self.sticky)
+
+    def batch_step_seconds(self, batch: DecodeBatch, admitted: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
+        """step_seconds of a decode batch's step with `admitted` beside its decodes, where a segment is replicated:
+        each replica's decodes read from the batch's counts by replica, the admitted chunks given replicas as the
+        step's own would be."""
+        tick, n, counted = batch.tick, len(batch.marks), batch.rows.counts
+        whole = (n, batch.offset + n * (tick + 1), [c.length for c in admitted])
+
+        def shares() -> Iterator[dict[str, Phases]]:
+            for index, (segment, _) in enumerate(self.parts):
+                if len(segment.placement) == 1:
+                    yield {segment.placement[0]: whole}
+                    continue
+                counts, sticky = counted[index], self.sticky[index]
+                owner = assign_replicas([(c.seq.request_id, c.length) for c in admitted], segment.placement, sticky,
+                                        {m: decodes for m, (decodes, _) in counts.items()})
+                sticky.update(owner)
+                prefills: dict[str, list[int]] = {m: [] for m in segment.placement}
+                for c in admitted:
+                    prefills[owner[c.seq.request_id]].append(c.length)
+                yield {m: (decodes, drift + decodes * (tick + 1), prefills[m])
+                       for m, (decodes, drift) in counts.items()}
+        return self._step(shares(), n + sum(whole[2]))
+
+    def _step(self, shares: Iterable[dict[str, Phases]], tokens: int) -> tuple[float, dict[str, float]]:
+        """A step of `tokens` whose segments' members compute the rows `shares` gives each of them, segment by
+        segment (their phases, costs.phases): (its seconds, each member's computing seconds in it)."""
+        leader, spec = self.plan.leader, self.leader.spec
+        shape, dtype_bytes = self.leader.shape, spec.dtype_bytes
         busy = dict.fromkeys(self.members, 0.0)
         seconds = 0.0
-        for segment, bits in self.parts:
-            (name,) = segment.placement
-            compute = sum(layers * costs.phase_seconds(self.members[name].spec, b, decodes, context, prefills)
-                          for b, layers in bits)
-            busy[name] += compute
-            seconds += max(0.0, compute + travel if name != leader else compute)
+        for (_, bits), owners in zip(self.parts, shares):
+            longest = 0.0
+            for name, phased in owners.items():
+                compute = sum(layers * costs.phase_seconds(self.members[name].spec, b, *phased) for b, layers in bits)
+                busy[name] += compute
+                rows = phased[0] + sum(phased[2])
+                travel = (2 * costs.hop_seconds(spec, costs.hidden_bytes(shape, dtype_bytes, rows))
+                          if name != leader and rows else 0.0)
+                longest = max(longest, compute + travel)
+            seconds += longest
         seconds += spec.overhead.at(tokens)
         busy[leader] = seconds
         return seconds, busy
+
+    def batch_run_timing(self, batch: DecodeBatch) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """decode_timing of a decode batch's run from its tick, where a segment is replicated: each replica's share
+        read from the batch's counts by replica."""
+        rows, tick, n = batch.rows, batch.tick, len(batch.marks)
+        shares = [[(m, decodes, drift + decodes * tick) for m, (decodes, drift) in rows.counts[index].items()]
+                  if len(segment.placement) > 1 else [(segment.placement[0], n, batch.offset + n * tick)]
+                  for index, (segment, _) in enumerate(self.parts)]
+        return self._decode_steps(shares, n)
 
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
         """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens

@@ -116,7 +116,8 @@ def fleets(draw):
 def test_decode_runs_end_exactly_where_single_steps_end(tmp_path, arrivals, fleet, drain_s):
     """Arrivals cut runs, reports and the bench's poll settle them, the levers' commands (quantize and restore,
     replicate, migrate, evict and batch, a merge and its split) cut them, the drain's cancels cut them, short
-    pages stop them before a preemption; an instance's run marks its members busy as its steps would."""
+    pages stop them before a preemption; an instance's run marks its members busy as its steps would; a CoCoServe
+    pair's decode batches, replicated or not, step its replicas' shares as its chunks would."""
     count, kv_pages, levers = fleet
     fleet = read_fleet(write_fleet(tmp_path, kv_pages, count, hop_s=2e-4))
     runs, single = runs_and_single_steps(fleet, arrivals, levers, drain_s)

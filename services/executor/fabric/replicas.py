@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from shared.plans import Segment
 
 
-def assign_replicas(step: list[tuple[str, int]], replicas: tuple[str, ...], sticky: dict[str, str]
-                    ) -> dict[str, str]:
+def assign_replicas(step: list[tuple[str, int]], replicas: tuple[str, ...], sticky: dict[str, str],
+                    load: dict[str, int] | None = None) -> dict[str, str]:
     """Replica of every request in `step` ((request id, tokens this step), in batch order): its entry in
-    `sticky` if it has one, else the least loaded replica (ties to the earlier in `replicas`)."""
-    load = dict.fromkeys(replicas, 0)
+    `sticky` if it has one, else the least loaded replica (ties to the earlier in `replicas`). `load`: tokens
+    the replicas have in the step besides `step`'s, each kept by its replica (a simulated decode batch's, counted
+    by replica); none by default."""
+    load = dict.fromkeys(replicas, 0) if load is None else dict(load)
     owner: dict[str, str] = {}
     for request_id, tokens in step:
         if sticky.get(request_id) in load:

@@ -273,7 +273,7 @@ class SimExecutor(MemberArena):
         phases = None
         if self.decode_runs and self.leads:
             if self.batch is None:
-                rows = self.group.replica_rows() if self.group is not None and not self.group.steps_by_phases else None
+                rows = self.group.replica_rows() if self.group is not None else None
                 self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written, rows)
                 self.batch_mix = (self.layer_bits.count(8), self.layer_bits.count(4))
             if self.batch is not None:
@@ -324,12 +324,8 @@ class SimExecutor(MemberArena):
         if self.group is None:
             return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
                     else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
-        if phases is None:
-            seconds, parts = self.group.step_seconds(out.chunks)
-        elif self.group.steps_by_phases:
-            seconds, parts = self.group.phased_step_seconds(*phases)
-        else:
-            seconds, parts = self.group.batch_step_seconds(self.batch, out.chunks)
+        seconds, parts = (self.group.step_seconds(out.chunks) if phases is None
+                          else self.group.batch_step_seconds(self.batch, phases, out.chunks))
         self._members_busy([(now, parts)])
         return seconds
 
@@ -359,9 +355,7 @@ class SimExecutor(MemberArena):
         if self.group is None:
             seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
             return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
-        if self.group.steps_by_phases:
-            return self.group.batch_timing(batch, contexts)
-        return self.group.batch_run_timing(self.batch)
+        return self.group.batch_run_timing(self.batch, contexts)
 
     def settle(self, now: float) -> None:
         """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have

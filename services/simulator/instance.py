@@ -189,35 +189,22 @@ class SimInstance:
                 yield {m: costs.phases(mine) for m, mine in rows.items()}
         return self._step(shares(), sum(c.length for c in chunks))
 
-    @property
-    def steps_by_phases(self) -> bool:
-        """Whether a step's phases (costs.phases) alone time it, as a decode batch gives them (decode_batch.py):
-        where no segment is replicated. A replicated segment's rows go to its replicas request by request
-        (assign_replicas), so that a step's phases on each replica are needed (batch_step_seconds)."""
-        return all(len(segment.placement) == 1 for segment, _ in self.parts)
-
-    def phased_step_seconds(self, decodes: int, context: int, prefills: list[int]) -> tuple[float, dict[str, float]]:
-        """step_seconds of a step given as its phases, where steps_by_phases: every segment's one member computes
-        all of its rows."""
-        whole = (decodes, context, prefills)
-        return self._step(({segment.placement[0]: whole} for segment, _ in self.parts), decodes + sum(prefills))
-
     def replica_rows(self) -> ReplicaRows:
         """A decode batch's members counted by replica (replica_rows.py), for batch_step_seconds and
-        batch_run_timing."""
+        batch_run_timing: none counted where no segment is replicated."""
         return ReplicaRows(self.parts, self.sticky)
 
-    def batch_step_seconds(self, batch: DecodeBatch, admitted: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
-        """step_seconds of a decode batch's step with `admitted` beside its decodes, where a segment is replicated:
-        each replica's decodes read from the batch's counts by replica, the admitted chunks given replicas as the
-        step's own would be."""
-        tick, n, counted = batch.tick, len(batch.marks), batch.rows.counts
-        whole = (n, batch.offset + n * (tick + 1), [c.length for c in admitted])
+    def batch_step_seconds(self, batch: DecodeBatch, phases: Phases, admitted: list[ScheduledChunk]
+                           ) -> tuple[float, dict[str, float]]:
+        """step_seconds of a decode batch's step, `phases` its own (decode_batch.py) with `admitted` beside its
+        decodes: a segment on one member computes all of them; a replicated one's replicas their decodes, counted
+        by the batch (ReplicaRows), and the admitted chunks the fabric's rule gives them."""
+        tick, counted = batch.tick, batch.rows.counts
 
         def shares() -> Iterator[dict[str, Phases]]:
             for index, (segment, _) in enumerate(self.parts):
                 if len(segment.placement) == 1:
-                    yield {segment.placement[0]: whole}
+                    yield {segment.placement[0]: phases}
                     continue
                 counts, sticky = counted[index], self.sticky[index]
                 owner = assign_replicas([(c.seq.request_id, c.length) for c in admitted], segment.placement, sticky,
@@ -228,7 +215,7 @@ class SimInstance:
                     prefills[owner[c.seq.request_id]].append(c.length)
                 yield {m: (decodes, drift + decodes * (tick + 1), prefills[m])
                        for m, (decodes, drift) in counts.items()}
-        return self._step(shares(), n + sum(whole[2]))
+        return self._step(shares(), phases[0] + sum(phases[2]))
 
     def _step(self, shares: Iterable[dict[str, Phases]], tokens: int) -> tuple[float, dict[str, float]]:
         """A step of `tokens` whose segments' members compute the rows `shares` gives each of them, segment by
@@ -251,12 +238,13 @@ class SimInstance:
         busy[leader] = seconds
         return seconds, busy
 
-    def batch_run_timing(self, batch: DecodeBatch) -> Callable[[int], tuple[float, dict[str, float]]]:
-        """decode_timing of a decode batch's run from its tick, where a segment is replicated: each replica's share
-        read from the batch's counts by replica."""
-        rows, tick, n = batch.rows, batch.tick, len(batch.marks)
-        shares = [[(m, decodes, drift + decodes * tick) for m, (decodes, drift) in rows.counts[index].items()]
-                  if len(segment.placement) > 1 else [(segment.placement[0], n, batch.offset + n * tick)]
+    def batch_run_timing(self, batch: DecodeBatch, contexts: int) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """decode_timing of a decode batch's run from its tick, its decodes' contexts summing `contexts` at its first
+        step: a segment on one member decodes all of them; a replicated one's replicas their decodes, counted by
+        the batch (ReplicaRows)."""
+        tick, n = batch.tick, len(batch.marks)
+        shares = [[(m, decodes, drift + decodes * tick) for m, (decodes, drift) in batch.rows.counts[index].items()]
+                  if len(segment.placement) > 1 else [(segment.placement[0], n, contexts - n)]
                   for index, (segment, _) in enumerate(self.parts)]
         return self._decode_steps(shares, n)
 
@@ -278,12 +266,6 @@ class SimInstance:
                           for m in segment.placement}
             shares.append([(name, len(mine), sum(base[k] for k in mine)) for name, mine in owners.items()])
         return self._decode_steps(shares, len(seqs))
-
-    def batch_timing(self, batch: int, contexts: int) -> Callable[[int], tuple[float, dict[str, float]]]:
-        """decode_timing of a decode batch's run, where steps_by_phases: `batch` decodes whose contexts summed
-        `contexts` at its first step, all of them on every segment's one member."""
-        return self._decode_steps([[(segment.placement[0], batch, contexts - batch)] for segment, _ in self.parts],
-                                  batch)
 
     def _decode_steps(self, shares: list[list[tuple[str, int, int]]], decodes: int
                       ) -> Callable[[int], tuple[float, dict[str, float]]]:

@@ -92,8 +92,6 @@ def _ffn_pages_freed_per_layer(shape: ModelShape, bits: int, dtype_bytes: int, p
 
 
 class SimTpInstance:
-    steps_by_phases = True  # every member computes its share of every row: a step's phases time it
-
     def __init__(self, plan: InstancePlan, members: dict, blocks: int, freed: dict[str, int], hold_until: float,
                  min_blocks: int = 0, ledger: PageLedger | None = None):
         """An instance `started` has its block ids' `ledger`, whose ids above `blocks` are withdrawn till a swap
@@ -168,6 +166,19 @@ class SimTpInstance:
                       for bits, layers in costs.bits_count([layer.bits for layer in self.plan.layers]))
         seconds += spec.overhead.at(tokens)
         return seconds, dict.fromkeys(self.members, seconds)
+
+    def replica_rows(self) -> None:
+        """None: every member computes its share of every row, so that a step's phases time it."""
+        return None
+
+    def batch_step_seconds(self, batch, phases: tuple[int, int, list[int]], admitted: list
+                           ) -> tuple[float, dict[str, float]]:
+        """step_seconds of a decode batch's step, given as its phases (decode_batch.py)."""
+        return self.phased_step_seconds(*phases)
+
+    def batch_run_timing(self, batch, contexts: int) -> Callable[[int], tuple[float, dict[str, float]]]:
+        """batch_timing of a decode batch's run whose decodes' contexts summed `contexts` at its first step."""
+        return self.batch_timing(len(batch.marks), contexts)
 
     def decode_timing(self, seqs: list, base: list[int]) -> Callable[[int], tuple[float, dict[str, float]]]:
         """step_seconds of a decode run's step-th step (decode_run.py), each of `seqs` at its `base` tokens computed

@@ -37,9 +37,9 @@ import gc
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.bench.client import CLUSTER_POLL_S
 from services.bench.trace import TraceRequest
@@ -91,11 +91,12 @@ class SimRun:
     samples and elapsed_s count."""
     requests: list[SimRequest]
     samples: list[tuple[float, list[dict]]]  # (time, the live executors as GET /v1/cluster shows them)
-    events: list[Event]
+    events: list[Event]  # in_time_order
     elapsed_s: float
     decisions: int = 0  # states the controller planned on
     plan_seconds: float = 0.0  # wall seconds its policies took, over all of them
     origin: float = 0.0
+    drained: bool = False  # whether it ended at its drain, some requests unfinished
 
 
 @contextmanager
@@ -111,6 +112,14 @@ def no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+def in_time_order(events: list[Event], fleet: Fleet) -> list[Event]:
+    """`events` by their time (a command's: when its answer came), those at one instant in the fleet's order of
+    their executors, then in the order they happened: the order a window's events are read in, whichever
+    processes simulated it (shards.py)."""
+    rank = {s.id: i for i, s in enumerate(fleet.executors)}
+    return sorted(events, key=lambda e: (e.time, rank[e.data["executor"]]))
+
+
 def traffic_turns(traffic: dict[str, float]) -> Iterator[str]:
     """The models in the turns their weights give them, smooth weighted round robin (as nginx spreads requests
     over weighted servers): every stretch of requests is shared in proportion, the lighter models interleaved."""
@@ -124,9 +133,15 @@ def traffic_turns(traffic: dict[str, float]) -> Iterator[str]:
 
 
 class Simulation:
-    def __init__(self, fleet: Fleet, settings: SimSettings):
+    def __init__(self, fleet: Fleet, settings: SimSettings, models: Collection[str] | None = None):
+        """`models`: simulate only the executors and requests of these of the fleet's models (a shard,
+        shards.py); the monitor's pace and the instances' ids stay the whole fleet's. Every model by default."""
         self.fleet, self.settings = fleet, settings
-        self.worlds = [world for world in fleet.worlds() if len(world) > 1]
+        self.models = set(fleet.models if models is None else models)
+        if unknown := self.models - set(fleet.models):
+            raise ValueError(f"the fleet serves no {', '.join(sorted(unknown))}; it serves {', '.join(fleet.models)}")
+        shard = {s.id for s in fleet.executors if s.shape.name in self.models}
+        self.worlds = [world for world in fleet.worlds() if len(world) > 1 and world[0] in shard]
         in_world = {name for world in self.worlds for name in world}
         arenas: dict = {}  # empty arenas and instance ledgers laid out: each a copy of the first laid out alike
         plans = fleet.start_plans(settings.static_bits)
@@ -137,7 +152,7 @@ class Simulation:
             self.executors = {s.id: SimExecutor(s, fleet, settings.static_bits, in_world=s.id in in_world,
                                                 decode_runs=settings.decode_runs, arenas=arenas,
                                                 layout=layouts.get(s.id), starts_in_instance=s.id in layouts)
-                              for s in fleet.executors}
+                              for s in fleet.executors if s.id in shard}
             self._form_worlds(plans, arenas)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
@@ -174,31 +189,35 @@ class Simulation:
         self._last_polled: dict[str, dict] = {}  # each executor's last sample (_polled)
 
     def _form_worlds(self, plans: list[InstancePlan], laid_out: dict) -> None:
-        """Every executor in its world, serving alone, in an instance `up --tp` starts (`plans`, their ledgers of
-        block ids copies of those `laid_out` alike), or, where the fleet has them serve alone, in the spare plan's
-        pairs."""
+        """Every executor in its world, serving alone, in an instance `up --tp` starts (of the fleet's `plans`,
+        their ledgers of block ids copies of those `laid_out` alike), or, where the fleet has them serve alone, in
+        the spare plan's pairs, numbered after the fleet's TP instances."""
         for names in self.worlds:
             for name in names:
                 self.executors[name].join_world(names, self.settings.static_bits)
         for plan in plans:
-            tp.started(plan, {name: self.executors[name] for name in plan.members}, laid_out)
+            if plan.leader in self.executors:
+                tp.started(plan, {name: self.executors[name] for name in plan.members}, laid_out)
         if not self.settings.spare or not self.worlds:
             return
-        if len(self.worlds) != len(self.fleet.worlds()) or any(len(names) % 2 for names in self.worlds):
+        worlds = self.fleet.worlds()
+        if any(len(names) < 2 or len(names) % 2 for names in worlds):
             raise ValueError(f"the spare plan runs instances of two executors of one world; the fleet's worlds "
-                             f"hold {[len(names) for names in self.fleet.worlds()]}")
+                             f"hold {[len(names) for names in worlds]}")
         started = {name for plan in plans for name in plan.members}
-        alone = [name for name in self.executors if name not in started]
+        alone = {s.id: s.shape for s in self.fleet.executors if s.id not in started}
         if not alone:
             raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
                              f"{self.fleet.tp} instances")
-        # Pairs in order: worlds of even sizes, each of one model, hold each pair whole; numbered after the TP ones.
+        if not (mine := [name for name in self.executors if name in alone]):
+            return
+        # Pairs in order: worlds of even sizes, each of one model, hold each pair whole; numbered over the fleet.
         pairs = [pair for shape in self.fleet.models.values()
-                 for pair in spare_plan(len(self.executors), shape.num_layers)["instances"]
-                 if pair["leader"] in alone and self.executors[pair["leader"]].shape is shape]
+                 for pair in spare_plan(len(self.fleet.executors), shape.num_layers)["instances"]
+                 if alone.get(pair["leader"]) is shape]
         for k, pair in enumerate(pairs):
             pair["id"] = f"i{len(plans) + k}"
-        for plan in parse_plans({"instances": pairs}, alone, None):
+        for plan in parse_plans({"instances": [p for p in pairs if p["leader"] in self.executors]}, mine, None):
             SimInstance(plan, {m: self.executors[m] for m in plan.members})
 
     # --- the loop -----------------------------------------------------------------------------------
@@ -237,9 +256,9 @@ class Simulation:
         window's simulated seconds so far at each of the bench's polls."""
         origin = self.now
         self._progress = None if progress is None else (lambda: progress(self.now - origin))
-        requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens,
-                               next(self._models)) for i, r in enumerate(arrivals)]
-        self._issued += len(requests)
+        requests = [SimRequest(self._issued + i, origin + r.arrival_s, r.prompt_tokens, r.output_tokens, model)
+                    for i, r in enumerate(arrivals) if (model := next(self._models)) in self.models]
+        self._issued += len(arrivals)
         if self.state is None:  # a fresh cluster: its first reports and state
             self.at(self.now, self._beat)
             self.at(self.now, self._tick)
@@ -250,14 +269,36 @@ class Simulation:
         samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
                                                     self.plan_seconds)
         self._feed(requests)
-        self._advance(max((r.arrival_s for r in requests), default=origin) + self.settings.drain_s)
-        for r in requests:
-            if r.done_s is None:
-                r.error = "unfinished at the end of the drain"
-                self._cancel(r)
+        self._advance(origin + max((r.arrival_s for r in arrivals), default=0.0) + self.settings.drain_s)
+        unfinished = [r for r in requests if r.done_s is None]
+        for r in unfinished:
+            r.error = "unfinished at the end of the drain"
+            self._cancel(r)
         self._progress = None  # the rest after it is not the window's
-        return SimRun(requests, [(t - origin, seen) for t, seen in self.samples[samples:]], self.events[events:],
-                      self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin)
+        return SimRun(requests, [(t - origin, seen) for t, seen in self.samples[samples:]],
+                      in_time_order(self.events[events:], self.fleet),
+                      self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin,
+                      drained=bool(unfinished))
+
+    def lengthen(self, played: SimRun, until: float) -> SimRun:
+        """`played`, the window this simulation has just played, as if it had ended at `until` (simulated
+        seconds): as it does where another shard's requests (shards.py) kept the whole fleet's window open that
+        long. Handled, as that window's loop would have: every event before `until`; at `until` the step ends
+        (which come first), and, when the window ended at its drain (`played.drained`), everything else."""
+        samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
+                                                    self.plan_seconds)
+        last = (until, self._others + 1 if played.drained else self._others)
+        with no_cycle_collection():
+            while self._heap and self._heap[0][:2] < last:
+                self.now, _, _, handler, args = heapq.heappop(self._heap)
+                handler(*args)
+        self.now = max(self.now, until)
+        origin = played.origin
+        return replace(played, samples=played.samples + [(t - origin, seen) for t, seen in self.samples[samples:]],
+                       events=in_time_order(played.events + self.events[events:], self.fleet),
+                       elapsed_s=self.now - origin,
+                       decisions=played.decisions + self.decisions - decisions,
+                       plan_seconds=played.plan_seconds + self.plan_seconds - plan_seconds)
 
     def rest(self, rest_s: float, timeout_s: float, still_s: float = 3.0) -> tuple[float, bool]:
         """The bench's rest between two windows (bench/suite.py's settle): `rest_s` without arrivals, then until
@@ -448,7 +489,7 @@ class Simulation:
         return rose
 
     def _tick(self) -> None:
-        step = pace(self.settings.monitor.publish_interval_s, self.settings.monitor_state_s * len(self.executors))
+        step = pace(self.settings.monitor.publish_interval_s, self.settings.monitor_state_s * len(self.fleet.executors))
         self._next_tick = self.now + step.tick_s
         self._publish()
         self._urgent_open = step.urgent

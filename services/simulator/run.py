@@ -14,6 +14,11 @@ Added beside the bench's keys: `simulation`, per mode and window, with the simul
 the controller's decisions per simulated minute and the wall seconds its policies took per decision; and for a
 fleet of several models, `models`, per mode and window, each model's own summary (its requests, its executors).
 
+`--shards N` plays a window's models in N processes side by side, one per core (shards.py): the same results,
+faster by as much as the models' work is even; one window at a given rate, on a fleet whose monitor publishes on
+its clock alone (a thousand executors' states are too dear to publish between ticks). Its wall time counts the
+shards' set-up and putting their runs together.
+
 Modes: all the bench's. The fleet's executors run every mode, as `morphling bench --executors N` does
 (bench/modes.py): several join one world; cocoserve starts from the spare plan (instances of two, every layer
 on the first, replicated, migrated, evicted and its batch cut by the controller); amoebas serves them alone
@@ -46,6 +51,7 @@ from services.simulator.fidelity import (decode_steps, fidelity, print_decode_st
                                         print_tp_steps, tp_steps)
 from services.simulator.executor import SimRequest
 from services.simulator.fleet import DEFAULT_MODEL, Fleet, FleetError, read_fleet
+from services.simulator.shards import deal, play_sharded
 from shared.config import ControllerConfig, MonitorConfig, data_dir
 from shared.provenance import provenance
 
@@ -101,6 +107,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--single-steps", action="store_true",
                     help="the scheduler schedules every step alone, no decode runs or decode batches (the same "
                          "results, slower: to compare)")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="play a window's models in this many processes side by side, one per core (shards.py: "
+                         "the same results); one window only, as a rest between two is the whole fleet's")
     ap.add_argument("--out", type=Path, default=Path("simulate-results"))
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -142,6 +151,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--rate-scale must be positive")
     if args.copies < 1:
         ap.error("--copies must be at least 1")
+    if args.shards < 1:
+        ap.error("--shards must be at least 1")
+    if args.shards > 1 and args.busy + args.ordinary != 1:
+        ap.error("--shards plays one window: give --busy and --ordinary that sum to 1")
+    if args.shards > 1 and args.rate_scale is None:
+        ap.error("--shards plays the trace at a given rate: add --rate-scale (capacity probes run in one process)")
     if min(args.rest_s, args.settle_timeout) < 0:
         ap.error("--rest-s and --settle-timeout must not be negative")
     return args
@@ -326,6 +341,8 @@ def check_modes(fleet: Fleet, modes: list[str]) -> None:
 
 def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, table) -> dict[str, dict]:
     """Every window of `mode` on one cluster, in turn, with the bench's rest between two: each window's result."""
+    if args.shards > 1:
+        return {windows[0].name: play_shards(fleet, mode, windows[0], rows, rate_scale, args, table)}
     results, rest = {}, None
     began = time.perf_counter()
     simulation = Simulation(fleet, settings_for(mode, args))
@@ -349,6 +366,20 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
     return results
 
 
+def play_shards(fleet: Fleet, mode: str, window, rows, rate_scale: float, args, table) -> dict:
+    """`mode` on one window, its models played in `args.shards` processes side by side: the window's result, its
+    wall time counting the shards' set-up and putting their runs together."""
+    groups = deal(fleet, args.shards, settings_for(mode, args))
+    arrivals = superposed(requests_in(rows, window, rate_scale, args.len_scale, args.max_len), args.copies)
+    began = time.perf_counter()
+    played = play_sharded(fleet, settings_for(mode, args), groups, arrivals,
+                          lambda simulation, mine, label: timed(simulation, mine, f"{mode} {window.name} {label}")[0])
+    wall_s = time.perf_counter() - began
+    print(f"  {mode} {window.name}: {len(arrivals)} requests in {len(groups)} shards, {played.elapsed_s:.0f} s "
+          f"simulated in {wall_s:.1f} s ({played.elapsed_s / wall_s:.2f}x real time)", file=sys.stderr)
+    return window_report(played, wall_s, args, table, fleet)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -358,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_tp is not None:
             return compare_tp(fleet, args)
         check_modes(fleet, args.modes)
+        deal(fleet, args.shards, settings_for(args.modes[0], args))
         rows = read_rows(args.trace)
         windows = pick_windows(rows, args.window_s, args.busy, args.ordinary)
     except (FleetError, TraceError) as e:

@@ -280,14 +280,15 @@ class Simulation:
                       self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin,
                       drained=bool(unfinished))
 
-    def lengthen(self, played: SimRun, until: float) -> SimRun:
+    def lengthen(self, played: SimRun, until: float, drained: bool) -> SimRun:
         """`played`, the window this simulation has just played, as if it had ended at `until` (simulated
         seconds): as it does where another shard's requests (shards.py) kept the whole fleet's window open that
         long. Handled, as that window's loop would have: every event before `until`; at `until` the step ends
-        (which come first), and, when the window ended at its drain (`played.drained`), everything else."""
+        (which come first), and, when the window ended at its drain (`drained`: some shard's requests were
+        unfinished there), everything else."""
         samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
                                                     self.plan_seconds)
-        last = (until, self._others + 1 if played.drained else self._others)
+        last = (until, self._others + 1 if drained else self._others)
         with no_cycle_collection():
             while self._heap and self._heap[0][:2] < last:
                 self.now, _, _, handler, args = heapq.heappop(self._heap)
@@ -298,7 +299,7 @@ class Simulation:
                        events=in_time_order(played.events + self.events[events:], self.fleet),
                        elapsed_s=self.now - origin,
                        decisions=played.decisions + self.decisions - decisions,
-                       plan_seconds=played.plan_seconds + self.plan_seconds - plan_seconds)
+                       plan_seconds=played.plan_seconds + self.plan_seconds - plan_seconds, drained=drained)
 
     def rest(self, rest_s: float, timeout_s: float, still_s: float = 3.0) -> tuple[float, bool]:
         """The bench's rest between two windows (bench/suite.py's settle): `rest_s` without arrivals, then until

@@ -59,7 +59,7 @@ def _shard(conn: Connection, fleet: Fleet, settings: SimSettings, models: list[s
         simulation = Simulation(fleet, settings, models)
         played = play(simulation, arrivals, "+".join(models))
         conn.send((played.origin + played.elapsed_s, played.drained))
-        played = simulation.lengthen(played, conn.recv())
+        played = simulation.lengthen(played, *conn.recv())
         conn.send(played)
     except BaseException as exc:  # the parent must hear of it, not wait on a pipe forever
         conn.send(exc)
@@ -91,9 +91,9 @@ def play_sharded(fleet: Fleet, settings: SimSettings, groups: list[list[str]], a
         processes.append(process)
     try:
         ends = [_receive(conn, models) for conn, models in zip(pipes, groups)]
-        until = max(end for end, _ in ends)
+        end = (max(end for end, _ in ends), any(drained for _, drained in ends))
         for conn in pipes:
-            conn.send(until)
+            conn.send(end)
         runs = [_receive(conn, models) for conn, models in zip(pipes, groups)]
     finally:
         for process in processes:

@@ -53,7 +53,9 @@ def test_shards_play_a_window_exactly_as_one_process_does(tmp_path, levers, spar
     sharded = play_sharded(fleet, settings(levers, spare, drain_s=drain_s), [["llama-3-70b"], ["llama-3-8b"]],
                            BURST, played)
     commands = {e.data["kind"] for e in one.events if e.kind == "command"}
-    assert acted <= commands and {r.model for r in one.requests} == {"llama-3-70b", "llama-3-8b"}
+    serves = {s.id: s.shape.name for s in fleet.executors}
+    commanded = {serves[e.data["executor"]] for e in one.events if e.kind == "command"}
+    assert acted <= commands and commanded == {r.model for r in one.requests} == {"llama-3-70b", "llama-3-8b"}
     unfinished = {r.model for r in one.requests if r.error == "unfinished at the end of the drain"}
     assert unfinished == ({"llama-3-70b"} if drain_s < 60 else set()) and sharded.drained == bool(unfinished)
     assert [vars(r) for r in sharded.requests] == [vars(r) for r in one.requests]

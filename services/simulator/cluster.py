@@ -116,7 +116,7 @@ def in_time_order(events: list[Event], fleet: Fleet) -> list[Event]:
     """`events` by their time (a command's: when its answer came), those at one instant in the fleet's order of
     their executors, then in the order they happened: the order a window's events are read in, whichever
     processes simulated it (shards.py)."""
-    rank = {s.id: i for i, s in enumerate(fleet.executors)}
+    rank = fleet.ranks
     return sorted(events, key=lambda e: (e.time, rank[e.data["executor"]]))
 
 
@@ -266,8 +266,7 @@ class Simulation:
             self._advance(self.now)
             self._at_rest = at_rest(cluster_body(self.state))  # the cluster as it starts: what a rest returns to
         self._open = {r.index for r in requests}
-        samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
-                                                    self.plan_seconds)
+        mark = self._mark()
         self._feed(requests)
         self._advance(origin + max((r.arrival_s for r in arrivals), default=0.0) + self.settings.drain_s)
         unfinished = [r for r in requests if r.done_s is None]
@@ -275,10 +274,9 @@ class Simulation:
             r.error = "unfinished at the end of the drain"
             self._cancel(r)
         self._progress = None  # the rest after it is not the window's
-        return SimRun(requests, [(t - origin, seen) for t, seen in self.samples[samples:]],
-                      in_time_order(self.events[events:], self.fleet),
-                      self.now - origin, self.decisions - decisions, self.plan_seconds - plan_seconds, origin,
-                      drained=bool(unfinished))
+        samples, events, decisions, plan_seconds = self._since(mark, origin)
+        return SimRun(requests, samples, in_time_order(events, self.fleet), self.now - origin, decisions, plan_seconds,
+                      origin, drained=bool(unfinished))
 
     def lengthen(self, played: SimRun, until: float, drained: bool) -> SimRun:
         """`played`, the window this simulation has just played, as if it had ended at `until` (simulated
@@ -286,20 +284,25 @@ class Simulation:
         long. Handled, as that window's loop would have: every event before `until`; at `until` the step ends
         (which come first), and, when the window ended at its drain (`drained`: some shard's requests were
         unfinished there), everything else."""
-        samples, events, decisions, plan_seconds = (len(self.samples), len(self.events), self.decisions,
-                                                    self.plan_seconds)
-        last = (until, self._others + 1 if drained else self._others)
-        with no_cycle_collection():
-            while self._heap and self._heap[0][:2] < last:
-                self.now, _, _, handler, args = heapq.heappop(self._heap)
-                handler(*args)
-        self.now = max(self.now, until)
+        mark = self._mark()
+        self._advance(until, None if drained else self._others)
         origin = played.origin
-        return replace(played, samples=played.samples + [(t - origin, seen) for t, seen in self.samples[samples:]],
-                       events=in_time_order(played.events + self.events[events:], self.fleet),
-                       elapsed_s=self.now - origin,
-                       decisions=played.decisions + self.decisions - decisions,
-                       plan_seconds=played.plan_seconds + self.plan_seconds - plan_seconds, drained=drained)
+        samples, events, decisions, plan_seconds = self._since(mark, origin)
+        return replace(played, samples=played.samples + samples,
+                       events=in_time_order(played.events + events, self.fleet), elapsed_s=self.now - origin,
+                       decisions=played.decisions + decisions, plan_seconds=played.plan_seconds + plan_seconds,
+                       drained=drained)
+
+    def _mark(self) -> tuple[int, int, int, float]:
+        """Where the samples, events, decisions and planning time stand now: what _since counts from."""
+        return len(self.samples), len(self.events), self.decisions, self.plan_seconds
+
+    def _since(self, mark: tuple[int, int, int, float], origin: float
+               ) -> tuple[list[tuple[float, list[dict]]], list[Event], int, float]:
+        """The samples (timed from `origin`), events, decisions and planning seconds since `mark`."""
+        samples, events, decisions, plan_seconds = mark
+        return ([(t - origin, seen) for t, seen in self.samples[samples:]], self.events[events:],
+                self.decisions - decisions, self.plan_seconds - plan_seconds)
 
     def rest(self, rest_s: float, timeout_s: float, still_s: float = 3.0) -> tuple[float, bool]:
         """The bench's rest between two windows (bench/suite.py's settle): `rest_s` without arrivals, then until
@@ -318,11 +321,14 @@ class Simulation:
                 return self.now - began, False
             self._advance(self.now + 1.0)
 
-    def _advance(self, until: float) -> None:
-        """Handle every event up to `until`, or until the window's requests are all done when some are open."""
+    def _advance(self, until: float, before: int | None = None) -> None:
+        """Handle every event up to `until`, or until the window's requests are all done when some are open.
+        `before`: at `until` itself, only the events of an order before it (`self._others`: the step ends)."""
         waiting = bool(self._open)
+        before = self._others + 1 if before is None else before
         with no_cycle_collection():
-            while self._heap and self._heap[0][0] <= until and (self._open or not waiting):
+            while self._heap and (self._heap[0][0] < until or self._heap[0][0] == until and self._heap[0][1] < before
+                                  ) and (self._open or not waiting):
                 self.now, _, _, handler, args = heapq.heappop(self._heap)
                 handler(*args)
         if not waiting or self._open:  # the drain's end comes: what is still open is cancelled then, not earlier

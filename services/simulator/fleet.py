@@ -53,6 +53,7 @@ A fleet file is JSON:
   is the all-reduce line (a TP instance's two sums of hidden states a layer); without one, a hop's.
 """
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,6 +115,12 @@ class Fleet:
         names = [s.id for s in self.executors]
         size = self.world_size or len(names)
         return [names[i:i + size] for i in range(0, len(names), size)]
+
+    @functools.cached_property
+    def ranks(self) -> dict[str, int]:
+        """Each executor's place in the file's order: the order of a sample's executors and of events at one
+        instant, whichever processes simulated them (cluster.py, shards.py)."""
+        return {s.id: i for i, s in enumerate(self.executors)}
 
     @property
     def models(self) -> dict[str, ModelShape]:

@@ -180,9 +180,7 @@ class SimInstance:
                 if len(segment.placement) == 1:
                     yield {segment.placement[0]: whole}
                     continue
-                sticky = self.sticky.setdefault(index, {})
-                owner = assign_replicas([(c.seq.request_id, c.length) for c in chunks], segment.placement, sticky)
-                sticky.update(owner)
+                owner = self._assigned(index, segment, [(c.seq.request_id, c.length) for c in chunks])
                 rows: dict[str, list[ScheduledChunk]] = {m: [] for m in segment.placement}
                 for c in chunks:
                     rows[owner[c.seq.request_id]].append(c)
@@ -206,16 +204,24 @@ class SimInstance:
                 if len(segment.placement) == 1:
                     yield {segment.placement[0]: phases}
                     continue
-                counts, sticky = counted[index], self.sticky[index]
-                owner = assign_replicas([(c.seq.request_id, c.length) for c in admitted], segment.placement, sticky,
-                                        {m: decodes for m, (decodes, _) in counts.items()})
-                sticky.update(owner)
+                counts = counted[index]
+                owner = self._assigned(index, segment, [(c.seq.request_id, c.length) for c in admitted],
+                                       {m: decodes for m, (decodes, _) in counts.items()})
                 prefills: dict[str, list[int]] = {m: [] for m in segment.placement}
                 for c in admitted:
                     prefills[owner[c.seq.request_id]].append(c.length)
                 yield {m: (decodes, drift + decodes * (tick + 1), prefills[m])
                        for m, (decodes, drift) in counts.items()}
         return self._step(shares(), phases[0] + sum(phases[2]))
+
+    def _assigned(self, index: int, segment: Segment, rows: list[tuple[str, int]], load: dict[str, int] | None = None
+                  ) -> dict[str, str]:
+        """The replica of each of `rows` ((request id, tokens)) in replicated segment `index` (assign_replicas,
+        `load` its replicas' other rows), kept for the request's later steps."""
+        sticky = self.sticky.setdefault(index, {})
+        owner = assign_replicas(rows, segment.placement, sticky, load)
+        sticky.update(owner)
+        return owner
 
     def _step(self, shares: Iterable[dict[str, Phases]], tokens: int) -> tuple[float, dict[str, float]]:
         """A step of `tokens` whose segments' members compute the rows `shares` gives each of them, segment by
@@ -259,9 +265,7 @@ class SimInstance:
             if len(segment.placement) == 1:
                 owners = {segment.placement[0]: range(len(seqs))}
             else:
-                sticky = self.sticky.setdefault(index, {})
-                owner = assign_replicas([(request_id, 1) for request_id in ids], segment.placement, sticky)
-                sticky.update(owner)
+                owner = self._assigned(index, segment, [(request_id, 1) for request_id in ids])
                 owners = {m: [k for k, request_id in enumerate(ids) if owner[request_id] == m]
                           for m in segment.placement}
             shares.append([(name, len(mine), sum(base[k] for k in mine)) for name, mine in owners.items()])

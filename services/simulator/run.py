@@ -369,10 +369,11 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
 def play_shards(fleet: Fleet, mode: str, window, rows, rate_scale: float, args, table) -> dict:
     """`mode` on one window, its models played in `args.shards` processes side by side: the window's result, its
     wall time counting the shards' set-up and putting their runs together."""
-    groups = deal(fleet, args.shards, settings_for(mode, args))
+    settings = settings_for(mode, args)
+    groups = deal(fleet, args.shards, settings)
     arrivals = superposed(requests_in(rows, window, rate_scale, args.len_scale, args.max_len), args.copies)
     began = time.perf_counter()
-    played = play_sharded(fleet, settings_for(mode, args), groups, arrivals,
+    played = play_sharded(fleet, settings, groups, arrivals,
                           lambda simulation, mine, label: timed(simulation, mine, f"{mode} {window.name} {label}")[0])
     wall_s = time.perf_counter() - began
     print(f"  {mode} {window.name}: {len(arrivals)} requests in {len(groups)} shards, {played.elapsed_s:.0f} s "

@@ -112,7 +112,7 @@ def merge(runs: list[SimRun], fleet: Fleet) -> SimRun:
     if any(len(r.samples) != len(first.samples) or r.decisions != first.decisions for r in runs):
         raise RuntimeError(f"the shards' windows differ in length: samples {[len(r.samples) for r in runs]}, "
                            f"decisions {[r.decisions for r in runs]}")
-    rank = {s.id: i for i, s in enumerate(fleet.executors)}
+    rank = fleet.ranks
     samples = []
     for at in zip(*(r.samples for r in runs)):
         if any(t != at[0][0] for t, _ in at):

@@ -90,16 +90,22 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _describe(probe: Probe, slo_s: float) -> str:
+def _req_s(rate: float) -> str:
+    return f"{rate:.3g} req/s"
+
+
+def _describe(probe: Probe, slo_s: float, what: str, rate_text: Callable[[float], str]) -> str:
     p95 = "none" if probe.ttft_p95_s is None else f"{probe.ttft_p95_s:.3f} s"
     verdict = "meets" if probe.meets(slo_s) else "misses"
-    return (f"capacity probe at {probe.rate_rps:.3g} req/s: TTFT p95 {p95}, {probe.failed} of {probe.requests} "
+    return (f"{what} at {rate_text(probe.rate_rps)}: TTFT p95 {p95}, {probe.failed} of {probe.requests} "
             f"failed: {verdict} the {slo_s:g} s SLO")
 
 
 def search(measure: Callable[[float], Probe], start_rps: float, slo_s: float, factor: float = 1.5,
-           max_probes: int = 6, progress: Callable[[str], None] = _to_stderr) -> tuple[float, list[Probe]]:
-    """The capacity found by probing `measure` (rate -> Probe), and every probe sorted by rate.
+           max_probes: int = 6, progress: Callable[[str], None] = _to_stderr, what: str = "capacity probe",
+           rate_text: Callable[[float], str] = _req_s) -> tuple[float, list[Probe]]:
+    """The capacity found by probing `measure` (rate -> Probe), and every probe sorted by rate; `what` and
+    `rate_text` name a probe and its rate in the progress lines.
 
     max_probes bounds all probes, the bisection included, since each one is a run of the system.
     If no probe meets the SLO the lowest rate probed is returned, and `progress` says so: the caller
@@ -115,7 +121,7 @@ def search(measure: Callable[[float], Probe], start_rps: float, slo_s: float, fa
     def probe(rate: float) -> Probe:
         result = measure(rate)
         probes.append(result)
-        progress(_describe(result, slo_s))
+        progress(_describe(result, slo_s, what, rate_text))
         return result
 
     first = probe(start_rps)
@@ -136,9 +142,10 @@ def search(measure: Callable[[float], Probe], start_rps: float, slo_s: float, fa
     capacity = crossing(probes, slo_s)
     if capacity is None:
         capacity = probes[0].rate_rps
-        progress(f"capacity: no probe met the {slo_s:g} s SLO; using the lowest rate probed, {capacity:.3g} req/s")
+        progress(f"capacity: no probe met the {slo_s:g} s SLO; using the lowest rate probed, "
+                 f"{rate_text(capacity)}")
     elif bracket is None:
-        progress(f"capacity: no probe missed the {slo_s:g} s SLO; {capacity:.3g} req/s is a lower bound")
+        progress(f"capacity: no probe missed the {slo_s:g} s SLO; {rate_text(capacity)} is a lower bound")
     else:
-        progress(f"capacity: {capacity:.3g} req/s")
+        progress(f"capacity: {rate_text(capacity)}")
     return capacity, probes

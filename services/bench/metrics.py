@@ -8,7 +8,8 @@ Definitions (seconds throughout):
 - SLO violation: a request that failed, or whose TTFT exceeded the SLO (a failure counts whether or
   not it got a first token: a user who got an error was not served).
 - Throughput: tokens of finished requests per second of the run (first arrival to last completion);
-  goodput: requests that finished within the SLO, per second of the same span.
+  goodput: requests that finished within the TTFT SLO and, where one is given, the TPOT SLO (a one-token
+  request has no TPOT and meets it), per second of the same span.
 - Precision share: each streamed token is attributed to the layer bits its executor reported in the
   cluster sample at or just before it arrived (samples every 0.25 s, through the monitor's view,
   which lags the executor by a few hundred milliseconds); with several executors, a token counts
@@ -97,12 +98,14 @@ def precision_share(records: list[RequestRecord], samples: list[ClusterSample]) 
     return {mix: w / total for mix, w in sorted(weights.items())} if total else {}
 
 
-def summarize(records: list[RequestRecord], samples: list[ClusterSample], slo_ttft_s: float) -> dict:
+def summarize(records: list[RequestRecord], samples: list[ClusterSample], slo_ttft_s: float,
+              slo_tpot_s: float | None = None) -> dict:
     finished = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     tpots = [t for t in (tpot_s(r) for r in finished) if t is not None]
     e2e = [r.e2e_s for r in finished]
     good = [r for r in finished if r.ttft_s is not None and r.ttft_s <= slo_ttft_s]
+    goodput = [r for r in good if slo_tpot_s is None or (tpot_s(r) or 0.0) <= slo_tpot_s]
     starts = [r.scheduled_s for r in records]
     span = max((r.done_s for r in finished), default=0.0) - min(starts, default=0.0)
     tokens = sum(r.completion_tokens for r in finished)
@@ -118,7 +121,7 @@ def summarize(records: list[RequestRecord], samples: list[ClusterSample], slo_tt
         "e2e_p95": percentile(e2e, 95),
         "slo_violation_pct": 100.0 * (len(records) - len(good)) / len(records) if records else 0.0,
         "throughput_tok_s": tokens / span if span > 0 else 0.0,
-        "goodput_req_s": len(good) / span if span > 0 else 0.0,
+        "goodput_req_s": len(goodput) / span if span > 0 else 0.0,
         "preemptions": preemptions(samples),
         "kv_capacity_start_tokens": capacity[0] if capacity else None,
         "kv_capacity_peak_tokens": max(capacity, default=None),

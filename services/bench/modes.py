@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import LEVERS, parse_size
-from shared.planner.shapes import SHAPES
+from shared.planner.shapes import SHAPES, ModelShape
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,21 @@ def budget_per_executor(mode: Mode, executors: int, per_executor: str) -> int:
     return executors * parse_size(per_executor) // executors_for(mode, executors)
 
 
-def model_depth(model: str) -> int:
-    """Decoder layers of `model`, read without loading it: the spare plan names every layer."""
+def model_shape(model: str) -> ModelShape:
+    """`model`'s shape, read without loading it (Hugging Face config.json keys): the spare plan names every layer,
+    the memory-bound regime sizes the arena by its weights."""
     if model == "default":
-        return SHAPES["smollm2-135m"].num_layers
+        return SHAPES["smollm2-135m"]
     config = Path(model).expanduser() / "config.json"
     try:
-        return int(json.loads(config.read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError) as e:
-        raise ModeError(f"cocoserve needs the model's depth for its plan, and {config} does not give it: {e}") from e
+        c = json.loads(config.read_text())
+        heads = int(c["num_attention_heads"])
+        return ModelShape(Path(model).name, int(c["num_hidden_layers"]), int(c["hidden_size"]),
+                          int(c["intermediate_size"]), heads, int(c.get("num_key_value_heads", heads)),
+                          int(c.get("head_dim") or c["hidden_size"] // heads), int(c["vocab_size"]),
+                          bool(c.get("tie_word_embeddings", False)), int(c.get("max_position_embeddings", 0)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModeError(f"the model's shape is read from {config}, which does not give it: {e}") from e
 
 
 def spare_plan(count: int, layers: int) -> dict:
@@ -91,6 +97,6 @@ def up_args(mode: Mode, executors: int, per_executor: str, morph_mode: str, mode
     if mode.spare:
         plan_dir.mkdir(parents=True, exist_ok=True)
         path = plan_dir / f"{mode.name}-plan.json"
-        path.write_text(json.dumps(spare_plan(count, model_depth(model)), indent=1))
+        path.write_text(json.dumps(spare_plan(count, model_shape(model).num_layers), indent=1))
         out += ["--plan", str(path)]
     return out

@@ -73,7 +73,8 @@ def quality(share: dict[tuple[int, int], float], table: "PerplexityTable | None"
     weighted = (sum(r["token_share"] * r["ppl"] for r in rows) if rows and all(r["ppl"] is not None for r in rows)
                 else None)
     return {"mixes": rows,
-            "full_precision_token_share": share.get((0, 0), 0.0),
+            # None where no sample said at what bits a token was served (a peer server without /v1/cluster)
+            "full_precision_token_share": share.get((0, 0), 0.0) if share else None,
             "ppl_token_weighted": weighted,
             "ppl_table": table.source if usable else None,
             "ppl_order": table.order if usable else None}

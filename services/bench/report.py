@@ -23,8 +23,8 @@ TABLE = (("ttft_p50", "TTFT p50", "{:.2f}"), ("ttft_p95", "p95", "{:.2f}"), ("tp
 
 
 def window_result(played, actions: list[dict], reaction: dict, slo_ttft_s: float, table: PerplexityTable | None,
-                  model: str, rest: dict | None = None) -> dict:
-    result = summarize(played.records, played.samples, slo_ttft_s)
+                  model: str, rest: dict | None = None, slo_tpot_s: float | None = None) -> dict:
+    result = summarize(played.records, played.samples, slo_ttft_s, slo_tpot_s)
     result["rest"] = rest or {"waited_s": 0.0, "started_at_rest": True}
     result["precision"] = quality(precision_share(played.records, played.samples), table, model)
     result["replay_s"] = played.elapsed_s
@@ -132,6 +132,20 @@ def print_table(modes: dict[str, dict], compared: dict[str, dict]) -> None:
               + (f" ({xs[0]:.2f}-{xs[1]:.2f})" if xs else "")
               + f", SLO violations {_cell(p, '{:+.1f}')} points fewer"
               + (f" ({ps[0]:+.1f} to {ps[1]:+.1f})" if ps else ""))
+
+
+def print_sweep(modes: dict[str, dict]) -> None:
+    """Each mode's SLO capacity, its ratio to fp16's, and the quality of its tokens there."""
+    base = modes.get("fp16", {}).get("slo_capacity")
+    rows = []
+    for mode, s in modes.items():
+        at = s.get("quality_at_capacity") or {}
+        ratio = s["slo_capacity"] / base if base and s["slo_capacity"] is not None else None
+        rows.append([mode, _cell(s["slo_capacity"], "{:.3g}"), _cell(ratio, "{:.2f}x"),
+                     _cell(at.get("token_agreement"), "{:.3f}"), _cell(at.get("full_precision_token_share"), "{:.2f}"),
+                     " ".join(f"x{p['rate_scale']:.3g}:{'ok' if p['meets_slo'] else 'miss'}" for p in s["sweep"])])
+    print("SLO capacity (the rate multiplier of the windows within the P95 TTFT SLO, no failure):")
+    _print_rows(["mode", "capacity", "vs fp16", "agree", "fp16 share", "points"], rows)
 
 
 def print_models(modes: dict[str, dict]) -> None:

@@ -14,7 +14,15 @@ every mode replays every window; quality is measured on the tokens each mode ser
 
 It prints the capacity measurement, then one table (each mode's mean over the windows, with the range), and
 writes `results.json`, a TTFT CDF and a timeline per mode and window (the controller's actions marked) into
-`--out`. With `--url` it drives a gateway that is already running instead, as the one mode given.
+`--out`. With `--url` it drives a server that is already running instead, as the one mode given, by any name: a
+Morphling gateway, or any OpenAI-compatible server (vLLM, say), for which the rest rule and the cluster timeline are
+skipped, since it has no `/v1/cluster`.
+
+`--sweep` finds each mode's SLO capacity (sweep.py): the highest rate multiplier of the windows at which P95 TTFT
+stays within the SLO with no failure, its goodput against rate as `goodput_sweep.png`, and its quality at that
+point. `--burstiness B` replaces the trace's arrival times with Gamma-distributed ones of shape B at each window's
+own rate (`vllm bench serve`'s). `--regime memory-bound` (regimes.py) sets the arena and the lengths where
+MorphServe's premise holds: weights most of each executor's memory, longer requests.
 """
 
 import argparse
@@ -23,14 +31,17 @@ import sys
 from pathlib import Path
 
 from services.bench import suite
+from services.bench.agreement import agreement
 from services.bench.modes import MODES, ModeError, executors_for
-from services.bench.plots import plot_timeline, plot_ttft_cdf
+from services.bench.plots import plot_goodput, plot_timeline, plot_ttft_cdf
 from services.bench.prompts import read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable
-from services.bench.report import add_quality, comparison, mode_summary, print_table, window_result
+from services.bench.regimes import REGIMES, RegimeError, apply_regime
+from services.bench.report import add_quality, comparison, mode_summary, print_sweep, print_table
+from services.bench.sweep import quality_at_capacity
 from services.bench.trace import TraceError, read_rows
 from services.bench.windows import pick_windows
-from shared.config import EngineConfig, data_dir, parse_size
+from shared.config import data_dir, parse_size
 from shared.provenance import provenance
 
 DEFAULT_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"
@@ -52,13 +63,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="play the trace at this rate multiplier instead of measuring the capacity")
     ap.add_argument("--probe-s", type=float, default=30.0, help="seconds of steady load per capacity probe")
     ap.add_argument("--probe-start", type=float, default=0.5, help="the first capacity probe's rate, req/s")
-    ap.add_argument("--len-scale", type=float, default=0.1, help="token count multiplier (default %(default)s)")
-    ap.add_argument("--max-len", type=int, default=512,
-                    help="cap on prompt + output tokens of one request, and the system's --max-model-len")
+    ap.add_argument("--regime", choices=REGIMES, default="default",
+                    help="memory-bound: each executor's arena and the request lengths where weights fill most of "
+                         "the memory (regimes.py); explicit --memory-budget, --len-scale, --max-len win")
+    ap.add_argument("--len-scale", type=float, help="token count multiplier (default: the regime's, 0.1)")
+    ap.add_argument("--max-len", type=int,
+                    help="cap on prompt + output tokens of one request, and the system's --max-model-len "
+                         "(default: the regime's, 512)")
+    ap.add_argument("--burstiness", type=float,
+                    help="Gamma-distributed arrivals of this shape at each window's rate instead of the trace's "
+                         "times (1: Poisson; below 1 burstier), as `vllm bench serve --burstiness`")
+    ap.add_argument("--sweep", action="store_true",
+                    help="find each mode's SLO capacity: the highest rate multiplier of the windows within the SLO")
+    ap.add_argument("--sweep-points", type=int, default=6,
+                    help="rate multipliers a sweep plays at most, per mode (default %(default)s)")
     ap.add_argument("--executors", type=int, default=2,
                     help="executors per mode; cocoserve and amoebas take at least two (default %(default)s)")
-    ap.add_argument("--memory-budget", default=f"{EngineConfig().memory_budget}",
-                    help="each executor's arena, times --executors: every mode's total (default: `morphling up`'s)")
+    ap.add_argument("--memory-budget",
+                    help="each executor's arena, times --executors: every mode's total (default: the regime's; "
+                         "`morphling up`'s for the default regime)")
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"),
                     help="the controller's preset where a mode moves anything (default %(default)s)")
     ap.add_argument("--slo-ttft", type=float, default=2.0,
@@ -78,21 +101,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ppl-table", type=Path, default=DEFAULT_TABLE, help="`morphling eval ppl --table` output")
     ap.add_argument("--seed", type=int, default=0, help="the order prompts are drawn in, and the steady load's")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
-    ap.add_argument("--url", help="bench a gateway that is already running, as the one mode in --modes")
+    ap.add_argument("--url", help="bench a server that is already running (a Morphling gateway, or any "
+                                  "OpenAI-compatible one) as the one mode in --modes, which it may name freely")
     ap.add_argument("--api-key", help="for --url: a key the gateway accepts (an admin key, for /v1/cluster)")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a system to become ready")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in (args.modes or SUITES[args.suite]).split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown or not args.modes:
-        ap.error(f"--modes takes {', '.join(MODES)}; got {', '.join(unknown) or 'nothing'}")
-    if len(set(args.modes)) != len(args.modes):
-        ap.error("--modes names a mode twice")
-    if args.rate_scale is None and "fp16" not in args.modes:
-        ap.error("the load is scaled to fp16's measured capacity: add fp16 to --modes, or give --rate-scale")
-    args.modes.sort(key=lambda m: m != "fp16")  # fp16 first: its system measures the capacity
-    if args.url and len(args.modes) != 1:
-        ap.error("--url benches one running system: give exactly one name in --modes")
+    if args.url:
+        if len(args.modes) != 1:
+            ap.error("--url benches one running system: give exactly one name in --modes")
+    else:
+        unknown = [m for m in args.modes if m not in MODES]
+        if unknown or not args.modes:
+            ap.error(f"--modes takes {', '.join(MODES)}; got {', '.join(unknown) or 'nothing'}")
+        if len(set(args.modes)) != len(args.modes):
+            ap.error("--modes names a mode twice")
+        if args.rate_scale is None and "fp16" not in args.modes:
+            ap.error("the load is scaled to fp16's measured capacity: add fp16 to --modes, or give --rate-scale")
+        args.modes.sort(key=lambda m: m != "fp16")  # fp16 first: its system measures the capacity
+    try:
+        apply_regime(args)
+    except RegimeError as e:
+        ap.error(str(e))
+    if args.burstiness is not None and args.burstiness <= 0:
+        ap.error("--burstiness must be positive")
+    if args.sweep_points < 2:
+        ap.error("--sweep-points must be at least 2: a bracket needs a point that meets the SLO and one that misses")
     for name in ("len_scale", "slo_ttft", "slo_tpot", "drain_timeout", "window_s", "probe_s", "probe_start", "load"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -101,7 +135,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--rate-scale and --executors must be positive, --rest-s and --settle-timeout not negative")
     try:
         parse_size(args.memory_budget)
-        for mode in args.modes:
+        for mode in args.modes if not args.url else ():
             executors_for(MODES[mode], args.executors)
     except ValueError as e:  # ModeError among them
         ap.error(str(e))
@@ -122,20 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"morphling bench: modes {', '.join(args.modes)}; windows of {args.window_s:g} s of {args.trace.name}: "
           + ", ".join(f"{w.name} ({w.arrivals} arrivals)" for w in windows), file=sys.stderr)
     try:
-        capacity, workload, played = suite.run(args, rows, windows, texts)
+        capacity, workload, runs = suite.run(args, rows, windows, texts, table)
     except (RuntimeError, ModeError, OSError) as e:
         print(f"morphling bench: {e}", file=sys.stderr)
         return 1
     if not capacity["given"]:
-        print(f"capacity of fp16 at steady load: {capacity['capacity_rps']:.2f} req/s (P95 TTFT crosses "
+        print(f"capacity of {args.modes[0]} at steady load: {capacity['capacity_rps']:.2f} req/s (P95 TTFT crosses "
               f"{args.slo_ttft:g} s); trace played at x{capacity['rate_scale']:.3f}, its median "
               f"{capacity['ordinary_rps']:.2f} req/s becoming {capacity['ordinary_rps'] * capacity['rate_scale']:.2f}")
 
-    results = {mode: {name: window_result(w["replay"], w["actions"], w["reaction"], args.slo_ttft, table, args.model,
-                                          w["rest"])
-                      for name, w in windows_of.items()} for mode, windows_of in played.items()}
-    add_quality(results, {mode: {name: w["replay"] for name, w in ws.items()} for mode, ws in played.items()})
+    # Today's keys are every mode at the base multiplier, which every mode played first.
+    results = {mode: run.results[run.base] for mode, run in runs.items()}
+    add_quality(results, {mode: run.replays[run.base] for mode, run in runs.items()})
     modes = {mode: mode_summary(windows_of) for mode, windows_of in results.items()}
+    if args.sweep:
+        add_sweeps(modes, runs)
+        plot_goodput(modes, args.slo_ttft, args.out / "goodput_sweep.png")
     for mode, windows_of in results.items():
         for name, result in windows_of.items():
             plot_timeline(f"{mode} {name}", result, args.slo_ttft, args.out / f"timeline_{mode}_{name}.png")
@@ -146,8 +182,25 @@ def main(argv: list[str] | None = None) -> int:
     report = {"modes": modes, "comparison": compared, "capacity": capacity,
               "windows": [vars(w) | {"name": w.name, "requests": len(workload[w.name][0])} for w in windows],
               **provenance(args, skip=("api_key",))}
-    report["config"] |= {"executors_by_mode": {m: executors_for(MODES[m], args.executors) for m in args.modes}}
+    if not args.url:
+        report["config"] |= {"executors_by_mode": {m: executors_for(MODES[m], args.executors) for m in args.modes}}
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     print_table(modes, compared)
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'} and a timeline per mode and window")
+    if args.sweep:
+        print_sweep(modes)
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'ttft_cdf.png'}"
+          + (f", {args.out / 'goodput_sweep.png'}" if args.sweep else "") + " and a timeline per mode and window")
     return 0
+
+
+def add_sweeps(modes: dict[str, dict], runs: dict[str, "suite.ModeRun"]) -> None:
+    """Each mode's `slo_capacity`, `quality_at_capacity` and `sweep` (its points), beside today's keys."""
+    reference = runs.get("fp16")
+    for mode, run in runs.items():
+        def agreed(rate: float, fp16_rate: float, run=run) -> dict:
+            served = [r for w in run.replays[rate].values() for r in w.records]
+            return agreement(served, [r for w in reference.replays[fp16_rate].values() for r in w.records], "fp16")
+
+        modes[mode] |= {"slo_capacity": run.sweep.slo_capacity, "sweep": run.sweep.points,
+                        "quality_at_capacity": quality_at_capacity(run.sweep, agreed,
+                                                                   reference.sweep if reference else None)}

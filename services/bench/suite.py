@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -33,7 +33,10 @@ from services.bench.client import ClusterSample, RequestRecord, replay, served_m
 from services.bench.metrics import percentile, timeline
 from services.bench.modes import MODES, executors_for, up_args
 from services.bench.prompts import PromptPool
+from services.bench.quality import PerplexityTable
+from services.bench.report import window_result
 from services.bench.rest import at_rest, shape
+from services.bench.sweep import Sweep, sweep
 from services.bench.system import Endpoints, started
 from services.bench.trace import TraceRequest, TraceRow
 from services.bench.windows import Window, median_rate, rate_scale_for, requests_in
@@ -110,12 +113,23 @@ def system_for(mode: str, args) -> Iterator[Endpoints]:
         yield system
 
 
-def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> tuple[dict, dict, dict]:
-    """(capacity, the requests of each window, results by mode then window); each result holds a Replay."""
+@dataclass
+class ModeRun:
+    """What one mode's system played: each window's Replay and report.window_result at every rate multiplier, the
+    first of them `base`, the multiplier every mode plays; with --sweep, the SLO capacity that was found."""
+    base: float
+    replays: dict[float, dict[str, Replay]]
+    results: dict[float, dict[str, dict]]
+    sweep: Sweep | None = None
+
+
+def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str], table: PerplexityTable | None
+        ) -> tuple[dict, dict, dict[str, ModeRun]]:
+    """(capacity, the requests of each window at the base multiplier, what each mode played)."""
     headers = auth_headers(args)
     capacity: dict = {"rate_scale": args.rate_scale, "given": args.rate_scale is not None}
     workload: dict[str, tuple[list[TraceRequest], list[list[int]]]] = {}
-    results: dict[str, dict[str, Replay | dict]] = {}
+    runs: dict[str, ModeRun] = {}
     for mode in args.modes:
         with system_for(mode, args) as system, httpx.Client(headers=headers, timeout=30) as client:
             model = served_model(client, system.url)
@@ -127,10 +141,50 @@ def run(args, rows: list[TraceRow], windows: list[Window], texts: list[str]) -> 
                                                             args.load)
                 capacity["ordinary_rps"] = median_rate(rows, args.window_s)
                 for w in windows:
-                    reqs = requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len)
+                    reqs = requests_in(rows, w, capacity["rate_scale"], args.len_scale, args.max_len,
+                                       args.burstiness, args.seed)
                     workload[w.name] = (reqs, [pool.take(r.prompt_tokens) for r in reqs])
-            results[mode] = run_windows(system, model, windows, workload, args, mode)
-    return capacity, workload, results
+            runs[mode] = play_mode(system, model, windows, workload, capacity["rate_scale"], args, mode, table)
+    return capacity, workload, runs
+
+
+def play_mode(system: Endpoints, model: str, windows: list[Window], workload: dict, base: float, args, mode: str,
+              table: PerplexityTable | None) -> ModeRun:
+    """Every window at the base multiplier, then, with --sweep, at the multipliers the sweep asks for; every pass
+    after the first starts at rest, as every window after the first does."""
+    played = ModeRun(base, {}, {})
+    start = cluster_at_rest(system.url, auth_headers(args), mode)
+
+    def at(rate_scale: float) -> dict[str, dict]:
+        requests = {name: ([replace(r, arrival_s=r.arrival_s * base / rate_scale) for r in reqs], prompts)
+                    for name, (reqs, prompts) in workload.items()}
+        raw = run_windows(system, model, windows, requests, args, f"{mode} x{rate_scale:.3g}" if args.sweep else mode,
+                          start, rested_first=bool(played.replays))
+        played.replays[rate_scale] = {name: w["replay"] for name, w in raw.items()}
+        played.results[rate_scale] = {
+            name: window_result(w["replay"], w["actions"], w["reaction"], args.slo_ttft, table, args.model, w["rest"],
+                                args.slo_tpot) for name, w in raw.items()}
+        return played.results[rate_scale]
+
+    if args.sweep:
+        played.sweep = sweep(at, base, args.slo_ttft, args.sweep_points, mode)
+    else:
+        at(base)
+    return played
+
+
+def cluster_at_rest(url: str, headers: dict, mode: str) -> dict | None:
+    """The cluster's rest as the replays start (rest.at_rest), or None for a server without `/v1/cluster` (any
+    OpenAI-compatible one): the rest rule is then skipped, and the bench says so."""
+    with httpx.Client(headers=headers, timeout=30) as client:
+        response = client.get(f"{url}/v1/cluster")
+    if response.status_code == 404:
+        print(f"morphling bench: {mode}: {url} has no /v1/cluster, so the rest rule is skipped (a plain pause of "
+              f"--rest-s between two windows) and no cluster timeline or controller actions are recorded",
+              file=sys.stderr)
+        return None
+    response.raise_for_status()
+    return at_rest(response.json())
 
 
 def wait_for(url: str, headers: dict, wanted: Callable[[dict], bool], rest_s: float, timeout_s: float,
@@ -168,26 +222,31 @@ def alive(cluster: dict) -> int:
     return sum(1 for e in cluster["executors"] if e["alive"])
 
 
-def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, mode: str) -> dict:
+def run_windows(system: Endpoints, model: str, windows: list[Window], workload: dict, args, label: str,
+                start: dict | None, rested_first: bool) -> dict:
+    """Each window replayed in turn, after a rest back to `start` (the first only if `rested_first`); for a peer
+    without `/v1/cluster` (`start` None) the rest is a plain pause."""
     out, rested = {}, {}
     started_at = time.time()
     headers = auth_headers(args)
-    with httpx.Client(headers=headers, timeout=30) as client:
-        start = at_rest(client.get(f"{system.url}/v1/cluster").json())
     for i, w in enumerate(windows):
-        if i:
-            rested[w.name] = settle(system.url, headers, start, args.rest_s, args.settle_timeout)
-            if not rested[w.name][1]:
-                print(f"morphling bench: {mode}: not back at rest {rested[w.name][0]:.0f} s after "
-                      f"{windows[i - 1].name}; {w.name} starts from where it is", file=sys.stderr)
+        if i or rested_first:
+            if start is None:
+                time.sleep(args.rest_s)
+                rested[w.name] = (args.rest_s, None)
+            else:
+                rested[w.name] = settle(system.url, headers, start, args.rest_s, args.settle_timeout)
+                if not rested[w.name][1]:
+                    print(f"morphling bench: {label}: not back at rest {rested[w.name][0]:.0f} s after the last "
+                          f"replay; {w.name} starts from where it is", file=sys.stderr)
         requests, prompts = workload[w.name]
-        out[w.name] = play(system.url, model, requests, prompts, args, f"{mode} {w.name}")
+        out[w.name] = play(system.url, model, requests, prompts, args, f"{label} {w.name}")
     stream = bench_events.read_events(system.nats_url, started_at - 1.0)
     for w in windows:
         played = out[w.name]
         end = played.wall_t0 + played.elapsed_s
         mine = [e for e in stream if played.wall_t0 - 1.0 <= e.time <= end]
-        waited, settled = rested.get(w.name, (0.0, True))
+        waited, settled = rested.get(w.name, (0.0, True if start is not None else None))
         out[w.name] = {"replay": played, "actions": bench_events.actions(mine, played.wall_t0),
                        "reaction": bench_events.reaction(mine, played.wall_t0),
                        "rest": {"waited_s": round(waited, 1), "started_at_rest": settled}}

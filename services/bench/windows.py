@@ -18,6 +18,7 @@ trace's bursts exceed its median, and the burstiness of the replay is the trace'
 """
 
 import math
+import random
 import statistics
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -98,22 +99,38 @@ def rate_scale_for(capacity_rps: float, ordinary_rps: float, load: float = 1.0) 
     return load * capacity_rps / ordinary_rps
 
 
+def gamma_arrivals(count: int, duration_s: float, burstiness: float, seed: str) -> list[float]:
+    """`count` arrival times from 0 at the mean rate count / duration_s, with Gamma-distributed gaps of shape
+    `burstiness` and mean 1 / rate: `vllm bench serve --burstiness`'s rule (1 is Poisson; below 1, burstier)."""
+    if burstiness <= 0:
+        raise TraceError(f"burstiness must be positive, got {burstiness}")
+    rate = count / duration_s
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(count):
+        times.append(t)
+        t += rng.gammavariate(burstiness, 1 / (rate * burstiness))
+    return times
+
+
 def requests_in(rows: list[TraceRow], window: Window, rate_scale: float, len_scale: float,
-                max_len: int) -> list[TraceRequest]:
+                max_len: int, burstiness: float | None = None, seed: int = 0) -> list[TraceRequest]:
     """The requests of `window`, replay-ready: what trace.load_trace gives for it, from rows already read
-    (picking windows needs every row, so the CSV is read once, not once per window)."""
+    (picking windows needs every row, so the CSV is read once, not once per window).
+
+    With `burstiness`, the window keeps its requests, their lengths and their order, but their arrival times are
+    drawn (gamma_arrivals, seeded by `seed` and the window) at the window's own mean rate, then scaled alike."""
     if rate_scale <= 0 or len_scale <= 0:
         raise TraceError(f"rate and length scales must be positive, got {rate_scale} and {len_scale}")
     if max_len < 2:
         raise TraceError(f"max_len must leave room for a prompt and an output token, got {max_len}")
     end = window.start_s + window.duration_s
-    requests = []
     # The replay sends requests in list order, so they must be in arrival order whatever the rows are.
-    for r in sorted(rows, key=lambda r: r.time_s):
-        if window.start_s <= r.time_s < end:
-            prompt, output = scale_lengths(r.prompt_tokens, r.output_tokens, len_scale, max_len)
-            requests.append(TraceRequest((r.time_s - window.start_s) / rate_scale, prompt, output))
-    if not requests:
+    mine = [r for r in sorted(rows, key=lambda r: r.time_s) if window.start_s <= r.time_s < end]
+    if not mine:
         # As load_trace does: a replay of nothing would measure nothing, and say nothing about it.
         raise TraceError(f"no request arrives in window {window.name} [{window.start_s:g}, {end:g}) s")
-    return requests
+    times = ([r.time_s - window.start_s for r in mine] if burstiness is None
+             else gamma_arrivals(len(mine), window.duration_s, burstiness, f"{seed}:{window.start_s}"))
+    return [TraceRequest(t / rate_scale, *scale_lengths(r.prompt_tokens, r.output_tokens, len_scale, max_len))
+            for t, r in zip(times, mine)]

@@ -5,8 +5,10 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from shared.config import data_dir
@@ -95,3 +97,97 @@ def test_bench_drives_a_running_gateway(tmp_path):
     (window,) = report["windows"]
     check_mode(report["modes"]["fp16"]["windows"][window["name"]], arrivals_in(window["start_s"], window["duration_s"]))
     assert report["comparison"] == {}  # nothing to compare with
+
+
+def test_bench_sweep_finds_each_modes_slo_capacity_and_its_quality_there(tmp_path):
+    # One 2 s window of short requests: fp16 and INT8 each swept from x0.2 to where P95 TTFT crosses a 0.5 s SLO.
+    report = bench(tmp_path, "--sweep", "--sweep-points", "3", "--window-s", "2", "--busy", "1", "--ordinary", "0",
+                   "--rate-scale", "0.2", "--len-scale", "0.05", "--modes", "fp16,int8", "--executors", "1",
+                   "--memory-budget", "480MiB", "--max-len", "512", "--slo-ttft", "0.5", "--rest-s", "1")
+    (window,) = report["windows"]
+    for mode, summary in report["modes"].items():
+        points = summary["sweep"]
+        assert 2 <= len(points) <= 3 and points[0]["rate_scale"] <= 0.2 <= points[-1]["rate_scale"]
+        assert [p["rate_scale"] for p in points] == sorted(p["rate_scale"] for p in points)
+        for p in points:  # each point's verdict is the probe rule on every request it played
+            assert p["requests"] == window["requests"]
+            assert p["meets_slo"] == (p["failed"] == 0 and p["ttft_p95"] is not None and p["ttft_p95"] <= 0.5)
+        best = max((p["rate_scale"] for p in points if p["meets_slo"]), default=None)
+        if best is None:
+            assert summary["slo_capacity"] is None and summary["quality_at_capacity"] is None
+            continue
+        assert summary["slo_capacity"] >= best
+        at = summary["quality_at_capacity"]
+        assert at["rate_scale"] == best and sum(s["token_share"] for s in at["token_shares"]) == pytest.approx(1.0)
+        if mode == "fp16":
+            assert at["token_agreement"] == 1.0 and at["full_precision_token_share"] == 1.0
+        else:  # every INT8 token came from quantized layers and was compared with fp16's
+            assert 0 <= at["token_agreement"] <= 1 and at["full_precision_token_share"] == 0.0
+        # today's keys are the base multiplier's, the sweep's first point
+        check_mode(summary["windows"][window["name"]], window["requests"])
+    assert (tmp_path / "goodput_sweep.png").stat().st_size > 10_000
+
+
+class OpenAIOnly:
+    """A real gateway behind a proxy that serves only what any OpenAI-compatible server (vLLM's) serves: the bench
+    must then skip what needs `/v1/cluster` and say so."""
+
+    def __init__(self, upstream: str):
+        import threading
+
+        import uvicorn
+        from fastapi import FastAPI, Request, Response
+        from fastapi.responses import StreamingResponse
+
+        from shared.net import free_port
+
+        app, client = FastAPI(), httpx.AsyncClient(base_url=upstream, timeout=None)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request):
+            if path not in ("v1/models", "v1/completions", "tokenize"):
+                return Response(status_code=404, content=b'{"detail":"Not Found"}')
+            upstream_request = client.build_request(request.method, f"/{path}", content=await request.body(),
+                                                    headers={"content-type": "application/json"})
+            answer = await client.send(upstream_request, stream=True)
+            return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
+                                     media_type=answer.headers.get("content-type"), background=None)
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_bench_drives_any_openai_compatible_server_and_skips_the_rest_rule(tmp_path):
+    system = System(tmp_path).start()
+    peer = OpenAIOnly(system.url)
+    try:
+        cmd = [sys.executable, "-m", "services.cli", "bench", "--trace", str(TRACE), "--data", str(data_dir()),
+               "--out", str(tmp_path / "out"), "--url", peer.url, "--modes", "peer", "--window-s", "2", "--busy", "1",
+               "--ordinary", "1", "--rate-scale", "0.5", "--len-scale", "0.05", "--max-len", "512", "--rest-s", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    finally:
+        peer.stop()
+        system.stop()
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "has no /v1/cluster, so the rest rule is skipped" in done.stderr
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    summary = report["modes"]["peer"]
+    for w in report["windows"]:
+        result = summary["windows"][w["name"]]
+        assert result["request_count"] == result["finished"] == w["requests"]
+        assert result["timeline"] == {} and result["precision"]["full_precision_token_share"] is None
+    # no rule to rest by: the first window starts as it finds the server, the second after a plain pause
+    assert [summary["windows"][w["name"]]["rest"] for w in report["windows"]] == [
+        {"waited_s": 0.0, "started_at_rest": None}, {"waited_s": 1.0, "started_at_rest": None}]

@@ -21,6 +21,16 @@ registers, which is the point of W8A16: decode is bound by weight bandwidth.
   dequantised to a full-precision copy first. It may split K too.
 * Which tiles, split and path a shape gets is timed on the GPU itself, once
   per (shape, power of two of the rows): ``kernels/tuning.py``.
+
+On CPU a decode step's few rows go to torch's packed int8 kernel
+(``torch._weight_int8pack_mm``) with bfloat16 activations, which reads the
+int8 codes as they are where the reference first casts the whole weight to
+float32. Over a 135M model's contiguous linears it was 1.75x faster than
+float32 at one row and 1.18x at 16, and slower from 64 (docs/benchmarks.md),
+where the reference's one cast is spread over a GEMM; its float32-activation
+path and ``torch.compile`` of the reference were slower than float32 at every
+row count, so neither is used. It needs the codes contiguous, so a transposed
+(input-major) weight stays on the reference.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ except ImportError:  # CPU-only installs run the torch path.
 # the tuner times 16-row GEMM tiles too.
 DECODE_MAX_ROWS = 16
 GEMM_MIN_ROWS = 2
+CPU_PACKED_MAX_ROWS = 16  # on CPU, rows up to this take torch's packed int8 kernel
 
 
 def w8a16_linear_ref(
@@ -340,7 +351,24 @@ def w8a16_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W8A16 linear with Triton on CUDA, the torch path elsewhere."""
+    """W8A16 linear with Triton on CUDA, torch's packed kernel for a CPU decode, the torch reference elsewhere."""
     if _HAS_TRITON and x.is_cuda:
         return w8a16_linear_triton(x, qweight, scale, bias)
+    if x.device.type == "cpu" and x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1] and qweight.is_contiguous():
+        return w8a16_linear_cpu_packed(x, qweight, scale, bias)
     return w8a16_linear_ref(x, qweight, scale, bias)
+
+
+def w8a16_linear_cpu_packed(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`w8a16_linear_ref` through ``torch._weight_int8pack_mm`` with the activations in bfloat16 (its fast
+    path on CPU); the result in ``x``'s dtype. ``qweight`` must be contiguous."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = torch._weight_int8pack_mm(x.reshape(-1, k).to(torch.bfloat16), qweight, scale.to(torch.bfloat16)).to(x.dtype)
+    if bias is not None:
+        y.add_(bias.to(x.dtype))
+    return y.view(*lead, qweight.shape[0])

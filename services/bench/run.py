@@ -38,7 +38,7 @@ from services.bench.prompts import read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable
 from services.bench.regimes import REGIMES, RegimeError, apply_regime
 from services.bench.report import add_quality, comparison, mode_summary, print_sweep, print_table
-from services.bench.sweep import quality_at_capacity
+from services.bench.sweep import sweep_keys
 from services.bench.trace import TraceError, read_rows
 from services.bench.windows import pick_windows
 from shared.config import data_dir, parse_size
@@ -201,6 +201,4 @@ def add_sweeps(modes: dict[str, dict], runs: dict[str, "suite.ModeRun"]) -> None
             served = [r for w in run.replays[rate].values() for r in w.records]
             return agreement(served, [r for w in reference.replays[fp16_rate].values() for r in w.records], "fp16")
 
-        modes[mode] |= {"slo_capacity": run.sweep.slo_capacity, "sweep": run.sweep.points,
-                        "quality_at_capacity": quality_at_capacity(run.sweep, agreed,
-                                                                   reference.sweep if reference else None)}
+        modes[mode] |= sweep_keys(run.sweep, agreed, reference.sweep if reference else None)

@@ -107,3 +107,11 @@ def quality_at_capacity(mine: Sweep, agreement_with_fp16: Callable[[float, float
             "full_precision_token_share": next((s["token_share"] for s in shares
                                                 if s["int8_layers"] == s["int4_layers"] == 0), 0.0 if shares else None),
             "token_shares": shares}
+
+
+def sweep_keys(mine: Sweep, agreement_with_fp16: Callable[[float, float], dict | None] | None,
+               reference: Sweep | None) -> dict:
+    """What a swept mode adds to its results.json entry: `slo_capacity`, `sweep` (its points) and
+    `quality_at_capacity`. No `agreement_with_fp16` (a simulation's tokens carry no text): no token agreement."""
+    return {"slo_capacity": mine.slo_capacity, "sweep": mine.points,
+            "quality_at_capacity": quality_at_capacity(mine, agreement_with_fp16 or (lambda *_: None), reference)}

@@ -41,9 +41,11 @@ from services.bench.client import ClusterSample, RequestRecord
 from services.bench.events import actions, reaction
 from services.bench.metrics import percentile, summarize
 from services.bench.modes import MODES
-from services.bench.plots import plot_timeline, plot_ttft_cdf
+from services.bench.plots import plot_goodput, plot_timeline, plot_ttft_cdf
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
-from services.bench.report import comparison, mode_summary, model_summaries, print_models, print_table, window_result
+from services.bench.report import (comparison, mode_summary, model_summaries, print_models, print_sweep, print_table,
+                                   window_result)
+from services.bench.sweep import sweep, sweep_keys
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.simulator.cluster import SimRun, SimSettings, Simulation, no_cycle_collection
@@ -75,6 +77,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "a fleet far larger than the trace's own needs more users, not a faster clock")
     ap.add_argument("--probe-s", type=float, default=30.0, help="seconds of steady load per capacity probe")
     ap.add_argument("--probe-start", type=float, default=0.5, help="the first capacity probe's rate, req/s")
+    ap.add_argument("--burstiness", type=float,
+                    help="Gamma-distributed arrivals of this shape at each window's rate instead of the trace's times")
+    ap.add_argument("--sweep", action="store_true",
+                    help="find each mode's SLO capacity: the highest rate multiplier of the windows within the SLO "
+                         "(bench/sweep.py), each point a fresh fleet")
+    ap.add_argument("--sweep-points", type=int, default=6, help="rate multipliers a sweep plays at most, per mode")
     ap.add_argument("--len-scale", type=float, default=0.1, help="token count multiplier")
     ap.add_argument("--max-len", type=int, default=512, help="cap on prompt + output tokens of one request")
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"))
@@ -151,6 +159,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--rate-scale must be positive")
     if args.copies < 1:
         ap.error("--copies must be at least 1")
+    if args.burstiness is not None and args.burstiness <= 0:
+        ap.error("--burstiness must be positive")
+    if args.sweep and (args.sweep_points < 2 or args.compare is not None or args.shards > 1):
+        ap.error("--sweep needs --sweep-points of at least 2, and neither --compare nor --shards")
     if args.shards < 1:
         ap.error("--shards must be at least 1")
     if args.shards > 1 and args.busy + args.ordinary != 1:
@@ -255,7 +267,7 @@ def window_report(played: SimRun, wall_s: float, args, table, fleet: Fleet, rest
                                 samples=[ClusterSample(t, executors) for t, executors in played.samples])
     named = table_name(list(fleet.models))
     result = window_result(replay, actions(played.events, played.origin), reaction(played.events, played.origin),
-                           args.slo_ttft, table, named, rest)
+                           args.slo_ttft, table, named, rest, args.slo_tpot)
     result["precision"] = quality(precision_share(played.requests), table, named)
     if len(fleet.models) > 1:
         result["models"] = by_model(played, replay, fleet, args, table)
@@ -351,7 +363,8 @@ def play_mode(fleet: Fleet, mode: str, windows, rows, rate_scale: float, args, t
         if i:
             waited, settled = simulation.rest(args.rest_s, args.settle_timeout)
             rest = {"waited_s": round(waited, 1), "started_at_rest": settled}
-        arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len), args.copies)
+        arrivals = superposed(requests_in(rows, w, rate_scale, args.len_scale, args.max_len, args.burstiness,
+                                          args.seed), args.copies)
         played, loop_s = timed(simulation, arrivals, f"{mode} {w.name}")
         built_s = setup_s if i == 0 else 0.0
         wall_s = loop_s + built_s
@@ -371,7 +384,8 @@ def play_shards(fleet: Fleet, mode: str, window, rows, rate_scale: float, args, 
     wall time counting the shards' set-up and putting their runs together."""
     settings = settings_for(mode, args)
     groups = deal(fleet, args.shards, settings)
-    arrivals = superposed(requests_in(rows, window, rate_scale, args.len_scale, args.max_len), args.copies)
+    arrivals = superposed(requests_in(rows, window, rate_scale, args.len_scale, args.max_len, args.burstiness,
+                                      args.seed), args.copies)
     began = time.perf_counter()
     played = play_sharded(fleet, settings, groups, arrivals,
                           lambda simulation, mine, label: timed(simulation, mine, f"{mode} {window.name} {label}")[0])
@@ -409,10 +423,18 @@ def main(argv: list[str] | None = None) -> int:
               f"x{capacity['rate_scale']:.3f}")
     else:
         capacity = {"given": True, "rate_scale": args.rate_scale}
+    base, sweeps = capacity["rate_scale"], {}
     with no_cycle_collection():  # collected once a mode: between windows it rescanned every arena's lists
-        results = {mode: play_mode(fleet, mode, windows, rows, capacity["rate_scale"], args, table)
-                   for mode in args.modes}
+        for mode in args.modes if args.sweep else ():
+            sweeps[mode] = sweep(lambda rate, mode=mode: play_mode(fleet, mode, windows, rows, rate, args, table),
+                                 base, args.slo_ttft, args.sweep_points, mode)
+        results = ({mode: sw.played[base] for mode, sw in sweeps.items()} if args.sweep else
+                   {mode: play_mode(fleet, mode, windows, rows, base, args, table) for mode in args.modes})
     modes = {mode: mode_summary(ws) | model_summaries(ws) for mode, ws in results.items()}
+    for mode, sw in sweeps.items():
+        modes[mode] |= sweep_keys(sw, None, sweeps.get("fp16"))
+    if args.sweep:
+        plot_goodput(modes, args.slo_ttft, args.out / "goodput_sweep.png")
     for mode, ws in results.items():
         for name, result in ws.items():
             plot_timeline(f"{mode} {name}", result, args.slo_ttft, args.out / f"timeline_{mode}_{name}.png")
@@ -433,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
     print_table(modes, compared)
     print_models(modes)
+    if args.sweep:
+        print_sweep(modes)
     if args.compare is not None:
         print_fidelity(report["fidelity"]["modes"])
         if len(args.measured) > 1:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.w4a16 import w4a16_linear, w4a16_linear_ref, w4a16_linear_triton
-from kernels.w8a16 import w8a16_linear, w8a16_linear_ref, w8a16_linear_triton
+from kernels.w8a16 import (CPU_PACKED_MAX_ROWS, w8a16_linear, w8a16_linear_cpu_packed, w8a16_linear_ref,
+                           w8a16_linear_triton)
 from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 
 ATOL = 1e-5
@@ -87,10 +88,26 @@ def test_references_keep_half_precision_activations_close_to_float32(dtype):
     torch.testing.assert_close(y4.float(), want4, atol=2e-2, rtol=2e-2)
 
 
-def test_dispatchers_run_the_reference_on_cpu():
-    x, w, bias = make_case(48, 384, rows=3, seed=7)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_cpu_packed_int8_kernel_matches_the_reference_within_bfloat16_rounding(rows, with_bias):
+    x, w, bias = make_case(96, 256, rows=rows, seed=case_seed("packed", str(rows)))
+    q8 = quantize_int8(w)
+    b = bias if with_bias else None
+    y = w8a16_linear_cpu_packed(x, q8.qweight, q8.scale, b)
+    assert y.dtype == x.dtype and y.shape == (rows, 96)
+    # only the activations' and the scale's rounding to bfloat16 differ: 2^-8 relative, summed over 256 inputs
+    torch.testing.assert_close(y, w8a16_linear_ref(x, q8.qweight, q8.scale, b), atol=3e-2, rtol=2e-2)
+    assert torch.equal(w8a16_linear(x, q8.qweight, q8.scale, b), y)  # a decode step's rows take it on CPU
+
+
+def test_dispatchers_run_the_reference_on_cpu_past_a_decodes_rows_and_for_transposed_codes():
+    x, w, bias = make_case(48, 384, rows=CPU_PACKED_MAX_ROWS + 1, seed=7)
     q8, q4 = quantize_int8(w), quantize_int4(w)
     assert torch.equal(w8a16_linear(x, q8.qweight, q8.scale, bias), w8a16_linear_ref(x, q8.qweight, q8.scale, bias))
+    input_major = q8.qweight.t().contiguous().t()  # how the slot holds down_proj
+    few = x[:3]
+    assert torch.equal(w8a16_linear(few, input_major, q8.scale, bias), w8a16_linear_ref(few, input_major, q8.scale, bias))
     assert torch.equal(
         w4a16_linear(x, q4.packed, q4.scale, q4.zero, q4.group_size, bias),
         w4a16_linear_ref(x, q4.packed, q4.scale, q4.zero, q4.group_size, bias),

@@ -1025,3 +1025,32 @@ def test_arrivals_fed_one_at_a_time_and_reports_beating_as_one_event_change_noth
     assert [e for e in run.events if e.kind == "command" and e.data["kind"] == "quantize"]
     assert len({executor for executor, *_ in played[Simulation][0]}) == 3
     assert played[Simulation] == played[OneEventEach]
+
+
+def test_simulate_sweeps_each_modes_slo_capacity_by_the_benchs_rule(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = simulate_cli.main(["--fleet", str(write_fleet(tmp_path, pages=720)), "--modes", "fp16,int4", "--sweep",
+                            "--sweep-points", "4", "--rate-scale", "0.5", "--busy", "1", "--ordinary", "0",
+                            "--window-s", "5", "--burstiness", "0.5", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "results.json").read_text())
+    for mode in ("fp16", "int4"):
+        summary = report["modes"][mode]
+        points = summary["sweep"]
+        assert 2 <= len(points) <= 4 and 0.5 in [p["rate_scale"] for p in points]
+        # today's keys are the start's: the sweep's point at --rate-scale
+        (window,) = summary["windows"].values()
+        start = next(p for p in points if p["rate_scale"] == 0.5)
+        assert start["requests"] == window["request_count"] and start["ttft_p95"] == window["ttft_p95"]
+        meeting = [p["rate_scale"] for p in points if p["meets_slo"]]
+        if meeting:
+            assert summary["slo_capacity"] >= max(meeting)
+            at = summary["quality_at_capacity"]
+            assert at["rate_scale"] == max(meeting) and at["token_agreement"] is None  # simulated tokens have no text
+            assert at["full_precision_token_share"] == (1.0 if mode == "fp16" else 0.0)
+        else:
+            assert summary["slo_capacity"] is None and summary["quality_at_capacity"] is None
+    assert (out / "goodput_sweep.png").stat().st_size > 10_000
+    assert "SLO capacity" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        simulate_cli.main(["--sweep", "--sweep-points", "1", "--out", str(out)])

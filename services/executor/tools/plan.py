@@ -307,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--theta", type=float, default=DEFAULT_THETA,
                     help="θ: what quantizing every layer to the lowest bits is worth, as a fraction of the batch's "
                          "unpipelined full-precision latency (0: speed only)")
-    ap.add_argument("--quality-budget", help="Σω may not exceed this (1.0 = every layer at the lowest bits), or "
-                                             "`uniform`: the Uniform baseline's Σω (the paper's §VI-C)")
+    ap.add_argument("--quality-budget",
+                    help="Σω may not exceed this (1.0 = every layer at the lowest bits); `uniform`: the Uniform "
+                         "baseline's Σω (the paper's §VI-C); `none`: no budget. Default: uniform's where a uniform "
+                         "precision fits, so that a plan trades no quality for speed unasked")
     ap.add_argument("--profile", type=Path, action="append", default=[],
                     help="a latency profile (`morphling profile --latency`); it applies to devices of its name")
     ap.add_argument("--omega", type=Path,
@@ -327,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         request, context = build_request(args)
-        if args.quality_budget is not None:
-            request = with_budget(request, args.quality_budget)
+        request = default_budget(request) if args.quality_budget is None else with_budget(request, args.quality_budget)
         plan = search(request)
     except (ClusterError, PlanInputError, Infeasible, LatencyError) as exc:
         print(f"morphling plan: {exc}", file=sys.stderr)
@@ -343,7 +344,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def default_budget(request: Request) -> Request:
+    """Uniform's quality, as the paper's evaluation plans (§VI-C); where no uniform precision fits, none, and says so:
+    only a mixed plan can fit then."""
+    try:
+        return with_budget(request, "uniform")
+    except Infeasible:
+        print("morphling plan: no uniform precision fits, so the plan has no quality budget (the default is the "
+              "Uniform baseline's)", file=sys.stderr)
+        return request
+
+
 def with_budget(request: Request, budget: str) -> Request:
+    if budget == "none":
+        return request
     if budget == "uniform":
         base = uniform(request)
         if base is None:
@@ -353,5 +367,5 @@ def with_budget(request: Request, budget: str) -> Request:
         try:
             value = float(budget)
         except ValueError:
-            raise PlanInputError(f"--quality-budget: a number or `uniform`, got {budget!r}") from None
+            raise PlanInputError(f"--quality-budget: a number, `uniform` or `none`, got {budget!r}") from None
     return replace(request, costs=replace(request.costs, omega_budget=value))

@@ -25,11 +25,11 @@ registers, which is the point of W8A16: decode is bound by weight bandwidth.
 On CPU a decode step's few rows go to torch's packed int8 kernel
 (``torch._weight_int8pack_mm``) with bfloat16 activations, which reads the
 int8 codes as they are where the reference first casts the whole weight to
-float32. Over a 135M model's contiguous linears it was 1.75x faster than
-float32 at one row and 1.18x at 16, and slower from 64 (docs/benchmarks.md),
-where the reference's one cast is spread over a GEMM; its float32-activation
-path and ``torch.compile`` of the reference were slower than float32 at every
-row count, so neither is used. It needs the codes contiguous, so a transposed
+float32. Over the default model's linears (`morphling bench-cpu-kernels`,
+docs/benchmarks.md) it was 1.45-1.88x faster than float32 at 1-4 rows and
+1.2-1.3x at 8-12, break-even or slower from 16; its float32-activation path
+and ``torch.compile`` of the reference were slower than float32 at every row
+count, so neither is used. It needs the codes contiguous, so a transposed
 (input-major) weight stays on the reference.
 """
 
@@ -56,7 +56,7 @@ except ImportError:  # CPU-only installs run the torch path.
 # the tuner times 16-row GEMM tiles too.
 DECODE_MAX_ROWS = 16
 GEMM_MIN_ROWS = 2
-CPU_PACKED_MAX_ROWS = 16  # on CPU, rows up to this take torch's packed int8 kernel
+CPU_PACKED_MAX_ROWS = 8  # on CPU, rows up to this take torch's packed int8 kernel (break-even near 16)
 
 
 def w8a16_linear_ref(

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
     "simulate": ("services.simulator.run",
                  "the bench's experiment on a simulated fleet, run by the real monitor, controller and router"),
+    "bench-cpu-kernels": ("services.executor.tools.bench_cpu_kernels",
+                          "which low-bit linear beats float32 on this CPU at which batch rows (the model's linears)"),
     "bench-cocoserve": ("services.bench.cocoserve",
                         "one instance without operations vs CoCoServe scaling over a request-rate sweep"),
     "bench-reshape": ("services.executor.tools.bench_reshape",

@@ -101,9 +101,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--swap-order", default="auto", metavar="auto|front|PATH",
                     help="the order layers are quantized in: the model's LIS profile (auto), front to back, or a "
                          "`morphling profile` JSON (default %(default)s)")
-    ap.add_argument("--latency-profile", type=Path, metavar="PATH",
+    ap.add_argument("--latency-profile", default="auto", metavar="auto|none|PATH",
                     help="each executor's `morphling profile --latency` JSON (measured for this model on this "
-                         "device): the controller then quantizes for a queue only where fewer bits are faster")
+                         "device): the controller then quantizes for a queue only where fewer bits are faster; "
+                         "auto: the one shipped for the device where it fits the model (the default model on CPU), "
+                         "none: no profile (default %(default)s)")
     ap.add_argument("--nats", help="an existing NATS server; without it an embedded one is started")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /ready")
     ap.add_argument("--log-dir", type=Path,
@@ -229,7 +231,7 @@ def refused(args: argparse.Namespace) -> str | None:
             read_plan_file(args.plan, executor_ids(args.executors), None)
         except PlanError as e:
             return f"--plan {args.plan} does not fit --executors {args.executors}: {e}"
-    if args.latency_profile is not None:
+    if args.latency_profile not in ("auto", "none"):
         from shared.planner.latency import LatencyError, load_profile  # numpy and scipy: only when asked
 
         try:  # each executor checks it against the layers it loads
@@ -264,8 +266,9 @@ def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[s
         out += ["--memory-budget", str(args.planned["devices"][f"exec{index}"])]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
-    if args.latency_profile is not None:
-        out += ["--latency-profile", str(args.latency_profile.resolve())]
+    if args.latency_profile != "auto":  # the executor's own default
+        out += ["--latency-profile", "none" if args.latency_profile == "none"
+                else str(Path(args.latency_profile).resolve())]
     if args.enforce_eager:
         out.append("--enforce-eager")
     if device == "cpu" and args.executors > 1:

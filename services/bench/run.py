@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def add_sweeps(modes: dict[str, dict], runs: dict[str, "suite.ModeRun"]) -> None:
+def add_sweeps(modes: dict[str, dict], runs: dict[str, suite.ModeRun]) -> None:
     """Each mode's `slo_capacity`, `quality_at_capacity` and `sweep` (its points), beside today's keys."""
     reference = runs.get("fp16")
     for mode, run in runs.items():

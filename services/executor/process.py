@@ -92,10 +92,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    metavar="SECONDS",
                    help="refuse a request (queue_full) whose predicted wait in the queue is longer; 0: no bound "
                         "(default %(default)s)")
-    p.add_argument("--latency-profile", metavar="PATH",
+    p.add_argument("--latency-profile", default="auto", metavar="auto|none|PATH",
                    help="a `morphling profile --latency` JSON measured for this model on this device: telemetry "
                         "then reports a layer's seconds at each width over its recent steps, and the controller "
-                        "quantizes for a queue only where fewer bits are faster (default: none)")
+                        "quantizes for a queue only where fewer bits are faster; auto: the profile shipped for "
+                        "this kind of device where it was measured on this model's layers (the default model on "
+                        "CPU), else none (default %(default)s)")
     world = p.add_argument_group("instances across executors", "without a world of several executors, this "
                                  "executor serves the whole model alone")
     world.add_argument("--dist-url", help="the world's rendezvous, tcp://HOST:PORT, hosted by rank 0 "

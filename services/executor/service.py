@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from pathlib import Path
 from collections.abc import Callable
 
 from services.executor.engine.errors import EngineError
@@ -30,6 +31,29 @@ from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResul
                              RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
 from shared.plans import alone_id
 from shared.tp_scheduler import MAX_TP, world_allows
+
+# The latency profile shipped for each kind of device: measured on this project's CPU machine for the default model.
+SHIPPED_LATENCY_PROFILES = {"cpu": Path(__file__).resolve().parents[2] / "docs" / "results" / "latency_profile_cpu.json"}
+
+
+def latency_profile_path(choice: str | None, device: str, layers: object) -> str | None:
+    """The latency profile an executor reports its layer seconds from: `choice`'s path; none for None or "none";
+    for "auto", the one shipped for its kind of device when it was measured on layers of this shape, else none
+    (the controller then keeps MorphServe's premise that fewer bits are faster)."""
+    if choice is None or choice == "none":
+        return None
+    if choice != "auto":
+        return choice
+    shipped = SHIPPED_LATENCY_PROFILES.get(device.split(":")[0])
+    if shipped is None or not shipped.exists():
+        return None
+    from shared.planner.latency import LatencyError, load_profile
+
+    try:
+        load_profile(shipped).check_layers(layers, str(shipped))
+    except LatencyError:
+        return None
+    return str(shipped)
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +125,15 @@ class ExecutorService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
         self._latency: LatencyReports | None = None  # what it reports of its latency profile, when given one
-        if config.latency_profile is not None:
+        profile = latency_profile_path(config.latency_profile, engine.config.device, engine.model_config)
+        if profile is not None:
             from shared.planner.latency import load_profile  # numpy and scipy: only when asked
 
-            latency = load_profile(config.latency_profile)
-            latency.check_layers(engine.model_config, config.latency_profile)
+            latency = load_profile(profile)
+            latency.check_layers(engine.model_config, profile)
             self._latency = LatencyReports(latency, engine.model.full_bits, config.latency_window_s)
             engine.count_steps()
+            log.info("executor %s: reporting layer seconds from the latency profile %s", self.id, profile)
         self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
         self._bus: Bus | None = None
         self._outbox = Outbox(self.id, config.outbox_limit, config.flush_timeout_s)

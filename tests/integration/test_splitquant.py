@@ -7,9 +7,11 @@ import json
 
 import httpx
 import openai
+import torch
 
-from services.executor.tools.plan import main as plan_main
 from services.executor.engine.engine import LLMEngine
+from services.executor.tools.plan import main as plan_main
+from services.up import cpu_cores
 from shared.config import RESULTS_DIR, EngineConfig, parse_size
 from shared.sampling import SamplingOptions
 from tests.integration.test_fabric import STOP_TIMEOUT_S, serve
@@ -34,7 +36,15 @@ def one_engine(bits: list[int]) -> list[str]:
         if layers:
             engine.swapper.set_bits(layers, width)
     params = SamplingOptions(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    return [c.outputs[0].text for c in engine.generate(PROMPTS, params)]
+    # One prompt at a time on one thread, as the test's client sends them and as each of `up`'s two executors runs
+    # (cores / 2): on CPU an INT8 layer of up to 8 rows runs torch's packed kernel in bfloat16 (kernels/w8a16.py),
+    # whose rounding depends on the rows batched together and on how the threads split the sums.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cpu_cores() // 2))
+    try:
+        return [engine.generate([prompt], params)[0].outputs[0].text for prompt in PROMPTS]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_plan_for_unequal_executors_is_served_as_planned_and_generates_what_one_engine_does(tmp_path):

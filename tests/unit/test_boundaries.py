@@ -38,7 +38,7 @@ SIMULATED_PARTS = {
     # the bench's experiment, rules and report, so that a simulation is measured and written as a run is
     "services.bench.capacity", "services.bench.client", "services.bench.events", "services.bench.metrics",
     "services.bench.modes", "services.bench.plots", "services.bench.quality", "services.bench.report",
-    "services.bench.trace", "services.bench.windows"}
+    "services.bench.sweep", "services.bench.trace", "services.bench.windows"}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shared.planner import heuristic, ilp
@@ -70,7 +70,8 @@ def test_the_ilp_finds_the_brute_force_optimum(problem):
 
 # Derandomized, so that CI's verdict does not depend on the draw: before the heuristic changed two units' bits at
 # once, 12 of 3,861 random problems with a start ended past the gap (up to 75%), and 2 still do (docs/splitquant.md).
-@settings(max_examples=150, deadline=None, derandomize=True)
+# The heuristic stops at a deadline, so on a loaded machine more problems end without a start and are filtered.
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much])
 @given(problems())
 def test_the_heuristic_is_feasible_and_within_its_gap_of_the_optimum(problem):
     solution = heuristic.solve(problem)

@@ -165,6 +165,22 @@ def test_the_latency_profile_goes_to_every_executor_as_an_absolute_path_and_a_ba
     assert "--latency-profile" in refused(bad) and "not a latency-profile record" in refused(bad)
 
 
+def test_the_executors_default_to_the_shipped_latency_profile_where_it_fits_and_none_turns_it_off():
+    from services.executor.service import SHIPPED_LATENCY_PROFILES, latency_profile_path
+    from shared.planner.shapes import SHAPES
+
+    assert all("--latency-profile" not in executor_args(parse_args(["--executors", "2"]), NATS, i) for i in range(2))
+    assert flag(executor_args(parse_args(["--latency-profile", "none"]), NATS, 0), "--latency-profile") == "none"
+    shipped = SHIPPED_LATENCY_PROFILES["cpu"]
+    assert latency_profile_path("auto", "cpu", SHAPES["smollm2-135m"]) == str(shipped) and shipped.exists()
+    # measured on the default model's layers: it claims nothing for another model's, nor for a GPU
+    assert latency_profile_path("auto", "cpu", SHAPES["llama-3.2-1b"]) is None
+    assert latency_profile_path("auto", "cuda:0", SHAPES["smollm2-135m"]) is None
+    assert latency_profile_path("none", "cpu", SHAPES["smollm2-135m"]) is None
+    assert latency_profile_path(None, "cpu", SHAPES["smollm2-135m"]) is None
+    assert latency_profile_path("some.json", "cpu", SHAPES["smollm2-135m"]) == "some.json"
+
+
 def test_several_executors_join_one_world_by_rank():
     args = parse_args(["--executors", "3"])
     assert [world_args(args, i, "tcp://127.0.0.1:7") for i in range(3)] == [

@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.bench import suite
+from services.bench import suite, sweep
 from services.bench.agreement import agreement
 from services.bench.modes import MODES, ModeError, executors_for
 from services.bench.plots import plot_goodput, plot_timeline, plot_ttft_cdf
@@ -38,7 +38,6 @@ from services.bench.prompts import read_texts
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable
 from services.bench.regimes import REGIMES, RegimeError, apply_regime
 from services.bench.report import add_quality, comparison, mode_summary, print_sweep, print_table
-from services.bench.sweep import sweep_keys
 from services.bench.trace import TraceError, read_rows
 from services.bench.windows import pick_windows
 from shared.config import data_dir, parse_size
@@ -70,13 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int,
                     help="cap on prompt + output tokens of one request, and the system's --max-model-len "
                          "(default: the regime's, 512)")
-    ap.add_argument("--burstiness", type=float,
-                    help="Gamma-distributed arrivals of this shape at each window's rate instead of the trace's "
-                         "times (1: Poisson; below 1 burstier), as `vllm bench serve --burstiness`")
-    ap.add_argument("--sweep", action="store_true",
-                    help="find each mode's SLO capacity: the highest rate multiplier of the windows within the SLO")
-    ap.add_argument("--sweep-points", type=int, default=6,
-                    help="rate multipliers a sweep plays at most, per mode (default %(default)s)")
+    sweep.add_arguments(ap)
     ap.add_argument("--executors", type=int, default=2,
                     help="executors per mode; cocoserve and amoebas take at least two (default %(default)s)")
     ap.add_argument("--memory-budget",
@@ -123,10 +116,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         apply_regime(args)
     except RegimeError as e:
         ap.error(str(e))
-    if args.burstiness is not None and args.burstiness <= 0:
-        ap.error("--burstiness must be positive")
-    if args.sweep_points < 2:
-        ap.error("--sweep-points must be at least 2: a bracket needs a point that meets the SLO and one that misses")
+    sweep.check_arguments(ap, args)
     for name in ("len_scale", "slo_ttft", "slo_tpot", "drain_timeout", "window_s", "probe_s", "probe_start", "load"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -201,4 +191,4 @@ def add_sweeps(modes: dict[str, dict], runs: dict[str, suite.ModeRun]) -> None:
             served = [r for w in run.replays[rate].values() for r in w.records]
             return agreement(served, [r for w in reference.replays[fp16_rate].values() for r in w.records], "fp16")
 
-        modes[mode] |= sweep_keys(run.sweep, agreed, reference.sweep if reference else None)
+        modes[mode] |= sweep.sweep_keys(run.sweep, agreed, reference.sweep if reference else None)

@@ -17,6 +17,7 @@ Pure: a caller gives `play(rate_scale) -> {window name: window result}` (report.
 `morphling bench` and `morphling simulate` sweep by one rule.
 """
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,24 @@ from services.bench.capacity import Probe, search
 from services.bench.metrics import percentile
 
 SWEEP_FACTOR = 1.5
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """`--sweep`, `--sweep-points` and `--burstiness`, as `morphling bench` and `morphling simulate` both take them."""
+    ap.add_argument("--burstiness", type=float,
+                    help="Gamma-distributed arrivals of this shape at each window's rate instead of the trace's "
+                         "times (1: Poisson; below 1 burstier), as `vllm bench serve --burstiness`")
+    ap.add_argument("--sweep", action="store_true",
+                    help="find each mode's SLO capacity: the highest rate multiplier of the windows within the SLO")
+    ap.add_argument("--sweep-points", type=int, default=6,
+                    help="rate multipliers a sweep plays at most, per mode (default %(default)s)")
+
+
+def check_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.burstiness is not None and args.burstiness <= 0:
+        ap.error("--burstiness must be positive")
+    if args.sweep_points < 2:
+        ap.error("--sweep-points must be at least 2: a bracket needs a point that meets the SLO and one that misses")
 
 
 @dataclass

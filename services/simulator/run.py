@@ -45,6 +45,8 @@ from services.bench.plots import plot_goodput, plot_timeline, plot_ttft_cdf
 from services.bench.quality import DEFAULT_TABLE, PerplexityTable, quality
 from services.bench.report import (comparison, mode_summary, model_summaries, print_models, print_sweep, print_table,
                                    window_result)
+from services.bench.sweep import add_arguments as add_sweep_arguments
+from services.bench.sweep import check_arguments as check_sweep_arguments
 from services.bench.sweep import sweep, sweep_keys
 from services.bench.trace import TraceError, TraceRequest, read_rows
 from services.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
@@ -77,12 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "a fleet far larger than the trace's own needs more users, not a faster clock")
     ap.add_argument("--probe-s", type=float, default=30.0, help="seconds of steady load per capacity probe")
     ap.add_argument("--probe-start", type=float, default=0.5, help="the first capacity probe's rate, req/s")
-    ap.add_argument("--burstiness", type=float,
-                    help="Gamma-distributed arrivals of this shape at each window's rate instead of the trace's times")
-    ap.add_argument("--sweep", action="store_true",
-                    help="find each mode's SLO capacity: the highest rate multiplier of the windows within the SLO "
-                         "(bench/sweep.py), each point a fresh fleet")
-    ap.add_argument("--sweep-points", type=int, default=6, help="rate multipliers a sweep plays at most, per mode")
+    add_sweep_arguments(ap)  # each sweep point a fresh fleet
     ap.add_argument("--len-scale", type=float, default=0.1, help="token count multiplier")
     ap.add_argument("--max-len", type=int, default=512, help="cap on prompt + output tokens of one request")
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"))
@@ -159,10 +156,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--rate-scale must be positive")
     if args.copies < 1:
         ap.error("--copies must be at least 1")
-    if args.burstiness is not None and args.burstiness <= 0:
-        ap.error("--burstiness must be positive")
-    if args.sweep and (args.sweep_points < 2 or args.compare is not None or args.shards > 1):
-        ap.error("--sweep needs --sweep-points of at least 2, and neither --compare nor --shards")
+    check_sweep_arguments(ap, args)
+    if args.sweep and (args.compare is not None or args.shards > 1):
+        ap.error("--sweep takes neither --compare nor --shards")
     if args.shards < 1:
         ap.error("--shards must be at least 1")
     if args.shards > 1 and args.busy + args.ordinary != 1:

@@ -25,8 +25,10 @@ COPY shared ./shared
 COPY kernels ./kernels
 COPY services ./services
 COPY deploy ./deploy
-# The default model's layer-importance profile: executors quantize layers in its order.
+# The default model's layer-importance profile (executors quantize layers in its order) and its latency profile
+# on CPU (the controller quantizes for a queue only where fewer bits are faster).
 COPY docs/results/lis_profile.json ./docs/results/lis_profile.json
+COPY docs/results/latency_profile_cpu.json ./docs/results/latency_profile_cpu.json
 # Editable, so that the code finds the files beside it (docs/results) as it does in a checkout.
 RUN pip install -e .
 

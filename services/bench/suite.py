@@ -183,7 +183,9 @@ def cluster_at_rest(url: str, headers: dict, mode: str) -> dict | None:
               f"--rest-s between two windows) and no cluster timeline or controller actions are recorded",
               file=sys.stderr)
         return None
-    response.raise_for_status()
+    if response.status_code != 200:  # an admin key missing, say: said, not a traceback
+        raise RuntimeError(f"{mode}: GET {url}/v1/cluster answered {response.status_code}: {response.text[:200]} "
+                           f"(give --api-key an admin key)")
     return at_rest(response.json())
 
 

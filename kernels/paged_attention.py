@@ -3,8 +3,9 @@
 During decode every sequence contributes exactly one query token, and its K/V
 history is scattered over pages named by its block table.  The torch reference
 is not just a test oracle: it is the CPU production path, so it gathers only the
-pages actually needed and does GQA by grouping query heads instead of
-replicating K/V.  The Triton kernel runs one program per (sequence, kv head) and
+pages actually needed, does GQA by grouping query heads instead of
+replicating K/V, runs torch's fused SDPA, and takes its gather plan (page rows,
+padding mask) from the caller, who builds it once a step for every layer.  The Triton kernel runs one program per (sequence, kv head) and
 streams the pages with an online softmax.
 
 A batch of few sequences gives that grid too few programs to keep a GPU's memory
@@ -24,7 +25,10 @@ kernel never loads masked positions at all.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -35,6 +39,33 @@ except ImportError:  # CPU-only installs run the torch path.
     _HAS_TRITON = False
 
 
+@dataclass(frozen=True)
+class DecodeGather:
+    """What every layer's decode attention over one group of sequences shares, built once a step: the rows of
+    their pages in the arena's (page, kv head) view, and which gathered positions lie within each context."""
+
+    rows: torch.Tensor  # [B * kvh * blocks] int64, sequence-major, then kv head, then block
+    blocks: int
+    max_context: int
+    valid: torch.Tensor | None  # [B, 1, 1, max_context] bool, True = attend; None: no sequence is padded
+
+
+def decode_gather(block_tables: torch.Tensor, context_lens: torch.Tensor, num_kv_heads: int,
+                  block_size: int) -> DecodeGather:
+    """The gather plan of a decode group over an arena of `num_kv_heads` heads and `block_size` tokens a page."""
+    # Gathering the full table width would waste work on padding blocks.
+    max_ctx = int(context_lens.max())
+    blocks = (max_ctx + block_size - 1) // block_size
+    tables = block_tables[:, :blocks].long()
+    heads = torch.arange(num_kv_heads, device=tables.device)
+    rows = (tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+    valid = None
+    if int(context_lens.min()) < max_ctx:
+        positions = torch.arange(max_ctx, device=tables.device)
+        valid = (positions[None, :] < context_lens.to(tables.device).long()[:, None])[:, None, None, :]
+    return DecodeGather(rows, blocks, max_ctx, valid)
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -42,35 +73,29 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` ``[B, num_heads, head_dim]`` over each sequence's paged context."""
+    """Attention of ``q`` ``[B, num_heads, head_dim]`` over each sequence's paged context; ``gather``: the
+    group's :func:`decode_gather`, which a step shares across its layers (built here when None)."""
     batch, num_heads, head_dim = q.shape
     num_pages, num_kv_heads, block_size = kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[4]
     group = num_heads // num_kv_heads
-
-    # Gathering the full table width would waste work on padding blocks.
-    max_ctx = int(context_lens.max())
-    n_blocks = (max_ctx + block_size - 1) // block_size
-    tables = block_tables[:, :n_blocks].long()
+    plan = gather or decode_gather(block_tables, context_lens, num_kv_heads, block_size)
 
     # In the arena, (page, kv_head) merge into one dimension whose rows are a block's K (or V) for one
     # head: index_select then copies whole contiguous rows, ~15x faster than advanced indexing of the
     # strided view, and lands directly in [B, kvh, T, hd].
-    rows = (tables[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=q.device)[None, :, None]).reshape(-1)
-    shape = (batch, num_kv_heads, n_blocks * block_size, head_dim)
-    k = kv_cache[:, :, layer, 0].reshape(num_pages * num_kv_heads, -1).index_select(0, rows).view(shape)[:, :, :max_ctx]
-    v = kv_cache[:, :, layer, 1].reshape(num_pages * num_kv_heads, -1).index_select(0, rows).view(shape)[:, :, :max_ctx]
+    shape = (batch, num_kv_heads, plan.blocks * block_size, head_dim)
 
-    # GQA without replicating K/V: the group's query heads become the rows of one matmul against their
-    # shared kv head.
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).to(k.dtype)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, group, T]
-    scores.mul_(scale)
-    if int(context_lens.min()) < max_ctx:
-        invalid = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens.to(q.device).long()[:, None]
-        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
+    def take(kv: int) -> torch.Tensor:
+        flat = kv_cache[:, :, layer, kv].reshape(num_pages * num_kv_heads, -1)
+        return flat.index_select(0, plan.rows).view(shape)[:, :, :plan.max_context].to(q.dtype)
+
+    # GQA without replicating K/V: a kv head's group of query heads are the query rows of its attention, which
+    # torch's fused SDPA runs (in float32 accumulation) with the padding masked.
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, take(0), take(1), attn_mask=plan.valid, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 if _HAS_TRITON:
@@ -385,8 +410,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context: int | None = None,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
-    """Decode attention with Triton on CUDA, the batched torch path elsewhere (`max_context`: see Triton's)."""
+    """Decode attention with Triton on CUDA, the batched torch path elsewhere (`max_context`: see Triton's;
+    `gather`: the reference's, on CPU)."""
     if _HAS_TRITON and q.is_cuda:
         return paged_decode_attention_triton(q, kv_cache, layer, block_tables, context_lens, scale, max_context)
-    return paged_decode_attention_ref(q, kv_cache, layer, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, kv_cache, layer, block_tables, context_lens, scale, gather)

@@ -192,3 +192,56 @@ def test_bench_drives_any_openai_compatible_server_and_skips_the_rest_rule(tmp_p
     # no rule to rest by: the first window starts as it finds the server, the second after a plain pause
     assert [summary["windows"][w["name"]]["rest"] for w in report["windows"]] == [
         {"waited_s": 0.0, "started_at_rest": None}, {"waited_s": 1.0, "started_at_rest": None}]
+
+
+def most_in_flight(records: list[dict]) -> int:
+    """The most requests of one loop that were in flight at once, from when each was sent and finished."""
+    events = sorted([(r["sent_s"], 1) for r in records] + [(r["done_s"], -1) for r in records])
+    now = most = 0
+    for _, change in events:
+        now += change
+        most = max(most, now)
+    return most
+
+
+def test_bench_engine_against_another_server_takes_turns_on_the_same_prompts(tmp_path, monkeypatch):
+    """`bench-engine --against`: ours and a peer (here our own gateway behind a proxy that serves only the OpenAI
+    endpoints, as vLLM would) on the same prompts, a closed loop per concurrency, rounds in turns."""
+    from services.bench import peer as peer_bench
+
+    loops: list[tuple[str, int, list, list]] = []
+    played = peer_bench.closed_loop
+
+    async def recording(url, model, prompts, new_tokens, concurrency):
+        loop = await played(url, model, prompts, new_tokens, concurrency)
+        loops.append((url, concurrency, prompts, loop.records))
+        return loop
+
+    monkeypatch.setattr(peer_bench, "closed_loop", recording)
+    system = System(tmp_path).start()
+    other = OpenAIOnly(system.url)
+    try:
+        from services.executor.tools.bench_engine import main
+
+        result = main(["--against", other.url, "--against-name", "proxy", "--ours", system.url, "--concurrency", "1,2",
+                       "--num-prompts", "3", "--rounds", "2", "--new-tokens", "4", "--max-prompt-tokens", "64",
+                       "--out", str(tmp_path / "out")])
+    finally:
+        other.stop()
+        system.stop()
+    assert json.loads((tmp_path / "out" / "engine_vs_peer.json").read_text())["rows"] == result["rows"]
+    assert (tmp_path / "out" / "engine_vs_peer.png").stat().st_size > 10_000
+    assert [r["concurrency"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        for server in ("ours", "peer"):
+            assert r[server]["requests"] == 6 and r[server]["failures"] == 0 and r[server]["output_tok_s"] > 0
+        assert set(r["ratios"]) == {"tpot_p50_s", "ttft_p95_s", "output_tok_s"}
+    # one request alone at a time is the same computation on both: the same greedy tokens
+    assert result["rows"][0]["exact_share"] == 1.0
+    timed = loops[2:]  # after each server's warm-up
+    assert [(url == system.url, c) for url, c, _, _ in timed] == [
+        (True, 1), (False, 1), (False, 1), (True, 1), (True, 2), (False, 2), (False, 2), (True, 2)]
+    # each round has prompts of its own, served by both; a loop keeps `concurrency` requests in flight
+    prompts = [p for _, _, p, _ in timed]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2] != prompts[4]
+    assert [most_in_flight([vars(r) for r in records]) for _, _, _, records in timed] == [1, 1, 1, 1, 2, 2, 2, 2]

@@ -22,7 +22,7 @@ cache). Only rows that sample get logits.
 
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv, rotate, silu_mul
 from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_decode_attention
+from kernels.paged_attention import DecodeGather, decode_gather, paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.w4a16 import w4a16_linear
 from kernels.w8a16 import w8a16_linear
@@ -226,6 +226,16 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [length, max_blocks] int32 (head units: [..., local KV heads])
     context_lens: torch.Tensor  # [length] int32, including the token itself
     max_context: int | None = None  # a bound on context_lens known on the host (a graph's); None: read them
+    gathers: dict[tuple[int, int], DecodeGather] = field(default_factory=dict, repr=False, compare=False)
+
+    def gather_for(self, kv_cache: torch.Tensor) -> DecodeGather | None:
+        """The CPU attention's gather plan over `kv_cache`'s geometry, built at the step's first layer."""
+        if kv_cache.is_cuda:
+            return None
+        key = (kv_cache.shape[1], kv_cache.shape[4])
+        if key not in self.gathers:
+            self.gathers[key] = decode_gather(self.block_tables, self.context_lens, *key)
+        return self.gathers[key]
 
 
 @dataclass
@@ -363,7 +373,8 @@ class DecoderModel:
                 batch: ForwardBatch) -> torch.Tensor:
         """Attention of the rows' queries over their contexts, their own K and V already written at their slots."""
         parts = [paged_decode_attention(q[g.row:g.row + g.length], kv_cache, index, g.block_tables,
-                                        g.context_lens, self.scale, g.max_context) for g in batch.decodes]
+                                        g.context_lens, self.scale, g.max_context, g.gather_for(kv_cache))
+                 for g in batch.decodes]
         for p in batch.prefills:
             rows = slice(p.row, p.row + p.length)
             parts.append(prefill_attention(q[rows], k[rows], v[rows], kv_cache, index, p.block_table,

@@ -3,10 +3,11 @@
 During decode every sequence contributes exactly one query token, and its K/V
 history is scattered over pages named by its block table.  The torch reference
 is not just a test oracle: it is the CPU production path, so it gathers only the
-pages actually needed, does GQA by grouping query heads instead of
-replicating K/V, runs torch's fused SDPA, and takes its gather plan (page rows,
-padding mask) from the caller, who builds it once a step for every layer.  The Triton kernel runs one program per (sequence, kv head) and
-streams the pages with an online softmax.
+pages actually needed, does GQA by grouping query heads instead of replicating
+K/V, runs torch's fused SDPA, and takes its gather plan (page rows, padding
+mask) from the caller, who builds it once a step for every layer.  The Triton
+kernel runs one program per (sequence, kv head) and streams the pages with an
+online softmax.
 
 A batch of few sequences gives that grid too few programs to keep a GPU's memory
 busy: at batch 1 an 8-kv-head model runs 8 programs for the whole context. So

@@ -52,6 +52,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "events": ("services.events_cli", "what the controller and the monitor decided, and why, from the event stream"),
 }
 
+# A flag that makes a subcommand another module's: `bench-engine --against URL` compares two served systems over
+# HTTP, which is the bench's work (services/bench/peer.py), not the executor's.
+FLAG_ROUTES: dict[tuple[str, str], str] = {("bench-engine", "--against"): "services.bench.peer"}
+
 
 def _usage_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="morphling", description=__doc__.splitlines()[0])
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every request at INFO: it would bury progress lines and bars under polls and streams.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     module_name, _, function = COMMANDS[command][0].partition(":")
+    for (name, flag), routed in FLAG_ROUTES.items():
+        if name == command and any(a == flag or a.startswith(f"{flag}=") for a in rest):
+            module_name, function = routed, ""
     result = getattr(importlib.import_module(module_name), function or "main")(rest)
     # Tools return a report (bench-engine returns its rows), services an exit status or None.
     return result if isinstance(result, int) else 0

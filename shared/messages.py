@@ -247,6 +247,10 @@ class ExecutorTelemetry(Message):
     # morph rung reads it: quantizing answers a queue that waits on compute only where fewer bits are faster
     # (policies/morph.py).
     layer_seconds: dict[int, float] = Field(default_factory=dict)
+    # What a request joining the waiting queue now should wait, at the rate requests left it lately
+    # (admission.queue_wait_s); None while that rate is unknown. A burst raises it at its first report, while
+    # queue_delay_s, a mean over waits already over, rises only as they end: the controller's early sign of a queue.
+    predicted_wait_s: float | None = None
 
     @property
     def pressure_events(self) -> int:

@@ -16,6 +16,7 @@ Agreement compares the two servers' greedy tokens prompt by prompt (bench.agreem
 float32 on the same weights, so it says whether the numbers compare the same computation.
 """
 
+import argparse
 import asyncio
 import json
 import platform
@@ -32,6 +33,7 @@ from services.bench.client import RequestRecord, request_body, send_one, served_
 from services.bench.metrics import percentile, tpot_s
 from services.bench.system import started
 from services.bench.trace import TraceRequest
+from shared.config import data_dir
 from shared.net import free_port
 
 SERVERS = ("ours", "peer")
@@ -95,7 +97,8 @@ def chat_prompts(client: httpx.Client, url: str, model: str, texts: list[str], m
     """Each text as a user turn under the model's chat template, in token ids (its last `max_tokens`)."""
     out = []
     for text in texts:
-        response = client.post(f"{url}/tokenize", json={"model": model, "messages": [{"role": "user", "content": text}]})
+        turn = [{"role": "user", "content": text}]
+        response = client.post(f"{url}/tokenize", json={"model": model, "messages": turn})
         response.raise_for_status()
         out.append(response.json()["tokens"][-max_tokens:])
     return out
@@ -194,3 +197,27 @@ def run(args) -> dict:
     plot(result["rows"], args.against_name, args.out / "engine_vs_peer.png")
     print(f"wrote {args.out / 'engine_vs_peer.json'} and {args.out / 'engine_vs_peer.png'}")
     return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--against", metavar="URL", required=True,
+                    help="the other server's base URL, e.g. http://127.0.0.1:8100")
+    ap.add_argument("--against-name", default="vLLM", help="what to call it in the table and plot")
+    ap.add_argument("--ours", metavar="URL", help="a running Morphling gateway (default: start `morphling up`)")
+    ap.add_argument("--model", default="default", help="the model ours starts with (without --ours)")
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated client counts (closed loop)")
+    ap.add_argument("--num-prompts", type=int, default=32, help="ShareGPT first turns a round, each served once")
+    ap.add_argument("--rounds", type=int, default=2, help="turns each server takes at each concurrency")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = ap.parse_args(argv)
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, not {args.concurrency!r}")
+    if min(args.concurrency) < 1 or min(args.num_prompts, args.rounds, args.new_tokens, args.max_prompt_tokens) < 1:
+        ap.error("--concurrency, --num-prompts, --rounds, --new-tokens and --max-prompt-tokens must be positive")
+    return run(args)

@@ -33,6 +33,12 @@ def predicted_wait_s(ahead: int, departures: int, span_s: float) -> float | None
     return ahead * span_s / departures
 
 
+def queue_wait_s(waiting: int, running: int, max_num_seqs: int, departures: int, span_s: float) -> float | None:
+    """What a request joining the waiting queue now should wait (ExecutorTelemetry.predicted_wait_s): behind the
+    requests the next step's free batch slots do not take, at the rate requests left the queue lately."""
+    return predicted_wait_s(waiting_ahead(waiting, running, max_num_seqs), departures, span_s)
+
+
 def admits(ahead: int, departures: int, span_s: float, bound_s: float) -> bool:
     """Whether a request joining behind `ahead` waiting requests stays within `bound_s` (0: no bound)."""
     if bound_s <= 0:

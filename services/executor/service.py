@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Callable
 
+from services.executor.admission import queue_wait_s
 from services.executor.engine.errors import EngineError
 from services.executor.engine.scheduling.phases import LatencyReports
 from services.executor.fabric.kv_heads import KvPlanError
@@ -401,7 +402,8 @@ class ExecutorService:
             kv_heads=engine.model_config.num_kv_heads,
             merge_hold_s=max(0.0, worker.hold_until - time.monotonic()) if engine.member is not None else 0.0,
             layer_seconds=self._latency.report(snap.steps_load, snap.taken)
-            if self._latency is not None and snap.steps_load is not None else {})
+            if self._latency is not None and snap.steps_load is not None else {},
+            predicted_wait_s=queue_wait_s(stats.waiting, stats.running, snap.max_num_seqs, *snap.departures))
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device

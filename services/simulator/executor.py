@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from services.executor.admission import Departures, admits, waiting_ahead
+from services.executor.admission import Departures, admits, queue_wait_s, waiting_ahead
 from services.executor.engine.errors import KvCapacityError, OutOfPagesError, QueueFullError
 from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
@@ -648,4 +648,6 @@ class SimExecutor(MemberArena):
             pages_growth=self._pages_growth(),
             busy=self.busy.share(now),
             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
-            layer_seconds=self.latency_reports.report(self.steps_load, now) if self.latency_reports else {})
+            layer_seconds=self.latency_reports.report(self.steps_load, now) if self.latency_reports else {},
+            predicted_wait_s=queue_wait_s(len(self.scheduler.waiting), len(self.scheduler.running),
+                                          self.scheduler.max_num_seqs, *self.departures.recent(now)))

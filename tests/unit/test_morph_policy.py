@@ -48,7 +48,7 @@ class FakeExecutor:
 
     def state(self, usage: float, waiting: int = 0, delay: float = 0.0, growth: int = 0, preemptions: int = 0,
               admission_blocked: int = 0, rejected: int = 0, instance: str = "i0",
-              layer_seconds: dict[int, float] | None = None) -> ExecutorState:
+              layer_seconds: dict[int, float] | None = None, predicted: float | None = None) -> ExecutorState:
         cap = self.capacity()
         used = min(cap, round(usage * cap))
         ext = cap - BASE
@@ -59,7 +59,7 @@ class FakeExecutor:
                               running=1, waiting=waiting, max_waiting=8, preemptions=preemptions, prompt_tokens=0,
                               generated_tokens=0, queue_delay_s=delay, ttft_s=0.0, tpot_s=0.0, draining=self.draining,
                               plan=self.plan, pages_growth=growth, admission_blocked=admission_blocked,
-                              rejected=rejected, layer_seconds=layer_seconds or {})
+                              rejected=rejected, layer_seconds=layer_seconds or {}, predicted_wait_s=predicted)
         return ExecutorState(executor=self.name, alive=self.alive, last_seen=0.0, kv_usage=used / cap,
                              queue_delay_s=delay, waiting=waiting, telemetry=t)
 
@@ -157,6 +157,41 @@ def test_queue_delay_and_blocked_admission_are_pressure_too():
 
 
 SLOWER, FASTER = {16: 1.0, 8: 1.5, 4: 1.3}, {16: 1.0, 8: 0.7, 4: 0.5}  # a layer's seconds by width
+
+
+@pytest.mark.parametrize("seconds, answers", [(FASTER, True), ({}, True), (SLOWER, False)])
+def test_a_queue_predicted_to_wait_is_pressure_before_its_mean_wait_rises(seconds, answers):
+    """A burst's first reports: requests wait, none has waited long yet (the mean delay is low), but at the rate
+    requests leave the queue a new one would wait past the mark. Where fewer bits are faster, that is pressure."""
+    lax = MorphSettings(kv_high=0.99, kv_low=0.5)
+    early = Driver(lax)
+    assert [bool(early.window(0.1, waiting=3, delay=0.0, predicted=2.0, layer_seconds=seconds))
+            for _ in range(3)] == [False, False, answers]
+    # below the mark, unknown, or with nothing waiting: no pressure from it
+    for kw in (dict(waiting=3, predicted=0.5), dict(waiting=3, predicted=None), dict(waiting=0, predicted=9.0)):
+        assert not any(Driver(lax).window(0.1, delay=0.0, **kw) for _ in range(10)), kw
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.floats(0.0, 0.99), st.integers(0, 8), st.floats(0.0, 5.0), st.one_of(st.none(), st.floats(0.0, 30.0)),
+       st.floats(0.0, 30.0), st.sampled_from([FASTER, {}, SLOWER]))
+def test_a_longer_predicted_wait_never_takes_pressure_away(usage, waiting, delay, predicted, more, seconds):
+    """Pressure is monotone in the predicted wait, counts it only while requests wait, and a queue whose next
+    step is slower at fewer bits is never quantized for, however long its predicted wait."""
+    from services.controller.policies.morph import under_pressure
+
+    ex = FakeExecutor()
+    step = next_quantize(ex.layers, BASE_SETTINGS)
+    before = under_pressure(ex.state(usage, waiting=waiting, delay=delay, predicted=predicted, layer_seconds=seconds),
+                            BASE_SETTINGS, step)
+    longer = (predicted or 0.0) + more
+    after = under_pressure(ex.state(usage, waiting=waiting, delay=delay, predicted=longer, layer_seconds=seconds),
+                           BASE_SETTINGS, step)
+    assert after or not before
+    without = under_pressure(ex.state(usage, waiting=waiting, delay=delay, predicted=None, layer_seconds=seconds),
+                             BASE_SETTINGS, step)
+    if waiting == 0 or seconds is SLOWER:
+        assert after == without
 
 
 @pytest.mark.parametrize("seconds, answers", [(FASTER, True), ({}, True), (SLOWER, False)])

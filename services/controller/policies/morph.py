@@ -16,18 +16,20 @@ quantized layer freed (learned from `pages_extension`), which says how many page
 back. `make_policy` wraps `plan` in the controller's Policy signature and keeps the memory in a
 closure; the controller's history is not replayed because the memory is that history, condensed.
 
-Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests wait
-(the delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds, and had
-kept quantizing after the last arrival), or requests wait that cannot be admitted (the queue is full, or the
-free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead
-of after enter_windows: pressure events the executor counted since the last report planned on (a preemption,
-an admission held for KV pages, a refusal for a full queue). Calm, and the release test, both about the next
-restore: nothing waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the
-restore with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks are
-measured against the capacity *after* the restore because a fixed fraction of the enlarged capacity is reached
-tens of seconds after the smaller one would already suffice. "In use" counts the pages the running sequences
-will still take (`pages_growth`) beside those they hold: early in a burst its sequences are short, and a
-restore judged on what they hold would come back mid-burst.
+Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests wait (the
+delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds, and had kept
+quantizing after the last arrival), or, while they wait, the wait the executor predicts for a request joining
+its queue now ≥ queue_delay_high_s (the queue's length over the rate requests left it: it rises at a burst's
+first report, seconds before the mean does), or requests wait that cannot be admitted (the queue is full, or the
+free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead of
+after enter_windows: pressure events the executor counted since the last report planned on (a preemption, an
+admission held for KV pages, a refusal for a full queue). Calm, and the release test, both about the next
+restore: nothing waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
+with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks are measured
+against the capacity *after* the restore because a fixed fraction of the enlarged capacity is reached tens of
+seconds after the smaller one would already suffice. "In use" counts the pages the running sequences will still
+take (`pages_growth`) beside those they hold: early in a burst its sequences are short, and a restore judged on
+what they hold would come back mid-burst.
 
 What quantizing answers: KV short (usage at the mark, free pages below one sequence, a preemption, an
 admission held for pages) it answers by itself, with the pages it frees. A queue that waits with KV to spare
@@ -257,9 +259,13 @@ def short_of_kv(es: ExecutorState, settings: MorphSettings) -> bool:
 
 
 def queued(es: ExecutorState, settings: MorphSettings) -> bool:
-    """Requests waiting long, or a queue full."""
+    """Requests waiting long, or about to: a queue full, the mean wait at the mark, or the wait the queue predicts
+    for a request joining it now at the mark (its length over the rate requests left it lately), which a burst
+    raises at its first report while the mean still counts the waits from before it."""
     t = es.telemetry
-    return t.waiting > 0 and (t.waiting >= t.max_waiting or es.queue_delay_s >= settings.queue_delay_high_s)
+    mark = settings.queue_delay_high_s
+    predicted = t.predicted_wait_s is not None and t.predicted_wait_s >= mark
+    return t.waiting > 0 and (t.waiting >= t.max_waiting or es.queue_delay_s >= mark or predicted)
 
 
 def faster(t: ExecutorTelemetry, step: tuple[list[int], int] | None) -> bool:
@@ -319,15 +325,18 @@ def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMe
 def load_summary(es: ExecutorState, settings: MorphSettings) -> str:
     """The signals the marks are compared with, for the audit trail."""
     t = es.telemetry
+    predicted = "unknown" if t.predicted_wait_s is None else f"{t.predicted_wait_s:.2f} s"
     return (f"KV {es.kv_usage:.0%} used (marks {settings.kv_low:.0%}/{settings.kv_high:.0%}), queue delay "
             f"{es.queue_delay_s:.2f} s (marks {settings.queue_delay_low_s:g}/{settings.queue_delay_high_s:g} s), "
-            f"{t.waiting} waiting, {t.kv.pages_free} KV pages free, {t.pages_growth} still to be taken")
+            f"{t.waiting} waiting, predicted wait {predicted}, {t.kv.pages_free} KV pages free, "
+            f"{t.pages_growth} still to be taken")
 
 
 def load_inputs(es: ExecutorState, taken_back: int) -> dict:
     """The same signals by name, for the audit event's inputs."""
     t = es.telemetry
     return {"kv_usage": es.kv_usage, "queue_delay_s": es.queue_delay_s, "waiting": t.waiting,
+            "predicted_wait_s": t.predicted_wait_s,
             "pressure_events": t.pressure_events,
             "pages_free": t.kv.pages_free, "pages_used": t.kv.pages_used, "pages_growth": t.pages_growth,
             "pages_extension": t.kv.pages_extension, "pages_taken_back": taken_back}

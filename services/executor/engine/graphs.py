@@ -69,8 +69,8 @@ class StaticDecode:
         self._ints_host = torch.zeros(rows * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
         ids, positions, slots = self.longs.view(3, rows)
         context_lens, tables = self.ints[:rows], self.ints[rows:].view(rows, max_blocks)
-        self.batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slots,
-                                  decodes=[DecodeGroup(0, rows, tables, context_lens, max_context)], prefills=[],
+        group = DecodeGroup(0, rows, tables, context_lens, max_context, refilled=True)
+        self.batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slots, decodes=[group], prefills=[],
                                   logits_rows=torch.arange(rows, device=device))
         if largest is None:
             self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=device)

@@ -6,8 +6,8 @@ EOS ignored), on the same weights, dtype and machine, one batch size after anoth
 each batch as one padded `generate` call, the usual way to batch it; we run it as one continuous batch.
 Prints a table, writes `engine_bench.json` and a bar chart into `--out`.
 
-With `--against URL`, it compares our served system with another OpenAI-compatible server (vLLM) instead, on
-the same prompts at each `--concurrency` (services/bench/peer.py).
+With `--against URL`, the command is the bench's instead (services/bench/peer.py, its own flags): our served
+system beside another OpenAI-compatible server (vLLM) on the same prompts at each concurrency.
 
 With `--device` or `--shape`, it measures a named shape (random weights) or checkpoint directory on a device
 instead: decode step time against transformers and the memory roofline, swaps, kernels (bench_gpu.py).
@@ -96,7 +96,9 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="morphling bench-engine", description=__doc__.splitlines()[0],
+                                 epilog="--against URL: our served system beside another OpenAI-compatible server "
+                                        "(vLLM) on the same prompts; its flags: bench-engine --against URL --help")
     ap.add_argument("--model", default="default")
     ap.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
     ap.add_argument("--batches", help="comma-separated prompt counts (default 1,8,64; with --shape 1,16,64)")
@@ -111,14 +113,6 @@ def main(argv: list[str] | None = None) -> dict:
     shape = fabric.add_mutually_exclusive_group()
     shape.add_argument("--tp", type=int, help="tensor-parallel degree (default: --executors)")
     shape.add_argument("--plan", type=Path, help="an instance plan file over exec0..exec<N-1> (exec0 leads)")
-    peer = ap.add_argument_group("against another server", "our served system and an OpenAI-compatible server "
-                                 "(vLLM) on the same prompts, side by side (services/bench/peer.py)")
-    peer.add_argument("--against", metavar="URL", help="the other server's base URL, e.g. http://127.0.0.1:8100")
-    peer.add_argument("--against-name", default="vLLM", help="what to call it in the table and plot")
-    peer.add_argument("--ours", metavar="URL", help="a running Morphling gateway (default: start `morphling up`)")
-    peer.add_argument("--concurrency", default="1,16", help="comma-separated client counts (closed loop)")
-    peer.add_argument("--num-prompts", type=int, default=32, help="ShareGPT first turns, each served once a round")
-    peer.add_argument("--rounds", type=int, default=2, help="turns each server takes at each concurrency")
     device = ap.add_argument_group("a named shape on a device", "random weights of a model's shape, or a checkpoint "
                                    "directory, on CPU or CUDA (services/executor/tools/bench_gpu.py)")
     device.add_argument("--device", help="cpu or cuda (default cpu)")
@@ -128,14 +122,6 @@ def main(argv: list[str] | None = None) -> dict:
                                         f"checkpoint directory")
     bench_gpu.add_arguments(device)
     args = ap.parse_args(argv)
-    if args.against is not None:
-        from services.bench.peer import run as run_peer
-
-        args.concurrency = [int(c) for c in args.concurrency.split(",")]
-        if min(args.concurrency) < 1 or args.num_prompts < 1 or args.rounds < 1:
-            ap.error("--concurrency, --num-prompts and --rounds must be positive")
-        args.new_tokens = args.new_tokens or 64
-        return run_peer(args)
     if args.device is not None or args.shape is not None:
         if args.shape is None:
             ap.error(f"--device needs --shape ({', '.join(SHAPES)} or a checkpoint directory)")

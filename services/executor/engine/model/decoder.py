@@ -226,16 +226,19 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [length, max_blocks] int32 (head units: [..., local KV heads])
     context_lens: torch.Tensor  # [length] int32, including the token itself
     max_context: int | None = None  # a bound on context_lens known on the host (a graph's); None: read them
-    gathers: dict[tuple[int, int], DecodeGather] = field(default_factory=dict, repr=False, compare=False)
+    refilled: bool = False  # its tensors are refilled in place every step (a graph's static decode): no plan kept
+    _gathers: dict[tuple[int, int], DecodeGather] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def gather_for(self, kv_cache: torch.Tensor) -> DecodeGather | None:
         """The CPU attention's gather plan over `kv_cache`'s geometry, built at the step's first layer."""
         if kv_cache.is_cuda:
             return None
         key = (kv_cache.shape[1], kv_cache.shape[4])
-        if key not in self.gathers:
-            self.gathers[key] = decode_gather(self.block_tables, self.context_lens, *key)
-        return self.gathers[key]
+        if self.refilled:
+            return decode_gather(self.block_tables, self.context_lens, *key)
+        if key not in self._gathers:
+            self._gathers[key] = decode_gather(self.block_tables, self.context_lens, *key)
+        return self._gathers[key]
 
 
 @dataclass

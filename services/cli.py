@@ -21,7 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "morphs under load and back after: quantizes layers (MorphServe); replicates, migrates, "
                    "evicts and caps the batch (CoCoServe); splits TP merges nothing needs (AMOEBAs)"),
     "bench-engine": ("services.executor.tools.bench_engine",
-                     "offline generation throughput: our engine vs transformers.generate"),
+                     "offline generation throughput: our engine vs transformers.generate; --against URL: our "
+                     "served system beside another OpenAI-compatible server (vLLM)"),
     "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
     "simulate": ("services.simulator.run",
                  "the bench's experiment on a simulated fleet, run by the real monitor, controller and router"),

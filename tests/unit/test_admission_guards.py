@@ -122,9 +122,12 @@ def test_a_request_predicted_to_wait_past_the_bound_is_refused_as_queue_full(tin
         for r in ("r0", "r1"):  # two departures from the queue give the executor its rate
             await bus.deliver(subjects.infer(EXEC), request(r, 8))
         await until(lambda: finished(bus, "r0") and finished(bus, "r1"), "the first requests finishing")
+        # The rate is departures over the executor's age: finished within milliseconds of its start, the two would
+        # read as hundreds a second. The idle engine's snapshots age meanwhile.
+        await asyncio.sleep(0.3)
         held = hold_engine(service)
         # The engine runs two sequences at once: the next step starts two requests, which the third waits behind
-        # as a queue's head does; the fourth waits behind that one too, at ~2 per second: > 0.01 s.
+        # as a queue's head does; the fourth waits behind that one too, at a few per second: > 0.01 s.
         admitted = ("first", "second", "third")
         for r in (*admitted, "fourth"):
             await bus.deliver(subjects.infer(EXEC), request(r, 8))

@@ -31,6 +31,7 @@ import httpx
 from services.bench.agreement import agreement
 from services.bench.client import RequestRecord, request_body, send_one, served_model
 from services.bench.metrics import percentile, tpot_s
+from services.bench.prompts import read_texts
 from services.bench.system import started
 from services.bench.trace import TraceRequest
 from shared.config import data_dir
@@ -104,11 +105,6 @@ def chat_prompts(client: httpx.Client, url: str, model: str, texts: list[str], m
     return out
 
 
-def sharegpt_texts(path: Path, count: int) -> list[str]:
-    """The first `count` first turns of the ShareGPT file, in its order."""
-    return [item["conversations"][0]["value"] for item in json.loads(path.read_text())[:count]]
-
-
 def print_rows(rows: list[dict], peer_name: str) -> None:
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f}"
@@ -155,7 +151,7 @@ def compare(ours: str, against: str, args) -> dict:
     with httpx.Client(timeout=60) as client:
         models = {"ours": served_model(client, ours), "peer": served_model(client, against)}
         runs = len(args.concurrency) * args.rounds
-        texts = sharegpt_texts(args.data / "prompts" / "ShareGPT_V3_filtered_1000.json", (runs + 1) * args.num_prompts)
+        texts = read_texts(args.data / "prompts")[:(runs + 1) * args.num_prompts]  # ShareGPT's first turns first
         prompts = chat_prompts(client, ours, models["ours"], texts, args.max_prompt_tokens)
     sets = iter(prompts[i:i + args.num_prompts] for i in range(0, len(prompts), args.num_prompts))
     urls = {"ours": ours, "peer": against}

@@ -216,4 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--concurrency takes comma-separated integers, not {args.concurrency!r}")
     if min(args.concurrency) < 1 or min(args.num_prompts, args.rounds, args.new_tokens, args.max_prompt_tokens) < 1:
         ap.error("--concurrency, --num-prompts, --rounds, --new-tokens and --max-prompt-tokens must be positive")
-    return run(args)
+    try:
+        return run(args)
+    except httpx.HTTPError as e:  # a server that is not there, or refuses /v1/models or /tokenize: said, not traced
+        raise SystemExit(f"morphling bench-engine: a server did not answer as an OpenAI-compatible one: "
+                         f"{type(e).__name__}: {e}")

@@ -4,9 +4,17 @@ The weight is ``packed`` uint8 ``[out, in // 2]`` holding two codes a byte (low
 nibble = even input index), with ``scale`` and ``zero`` ``[out, in // group]``
 and ``w ≈ (code - zero) * scale`` (see ``services/executor/engine/quant.py``).
 
-The torch reference is the CPU production path, not only a test oracle: it
-unpacks with two bit operations over the whole tensor, dequantises with the
-group's scale and zero broadcast over the group, and calls ``F.linear``.
+The torch reference unpacks with two bit operations over the whole tensor,
+dequantises with the group's scale and zero broadcast over the group, and calls
+``F.linear``.
+
+On CPU the engine stores INT4 layers in the layout of torch's CPU int4 kernel
+(``torch._weight_int4pack_mm_for_cpu``; ``quant.to_cpu_int4pack``) wherever
+that kernel takes the shape, and runs it with bfloat16 activations: over the
+default model's linears it was 7-11x faster than float32 at 1-4 rows, 2.2x at
+64 and 1.3-1.5x at 256-512 (docs/benchmarks.md), where the reference is
+slower than float32 at every row count. With float32 activations the kernel
+was slower than float32's GEMM, so it is not used that way.
 
 On CUDA the weight stays packed in memory (a quarter of bf16's bytes, which is
 what bounds decode) and is unpacked in registers:
@@ -285,6 +293,24 @@ def _w4a16_launch(config: tuple, x2: torch.Tensor, packed: torch.Tensor, scale: 
     )
     if splits > 1:
         out.copy_(dest.sum(dim=0))
+
+
+def w4a16_linear_cpu_packed(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    sz: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`w4a16_linear_ref` for a weight in torch's CPU int4 layout (``packed`` ``[out, in // 2]``, ``sz``
+    ``[in // group, out, 2]``, from ``quant.to_cpu_int4pack``), the activations in bfloat16; the result in
+    ``x``'s dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    # Both contiguous: the kernel refuses a strided activation but reads a narrowed sz as if dense, silently.
+    a = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    y = torch._weight_int4pack_mm_for_cpu(a, packed, k // sz.shape[0], sz.contiguous()).to(x.dtype)
+    if bias is not None:
+        y.add_(bias.to(x.dtype))
+    return y.view(*lead, packed.shape[0])
 
 
 def w4a16_linear(

@@ -23,10 +23,14 @@ def engine(tmp_path_factory):
 
 
 def gathered(whole: torch.Tensor, name: str, pieces: int, kept: range) -> torch.Tensor:
-    """The pieces `kept` of a whole logical FFN tensor, gathered by copying piece after piece."""
+    """The pieces `kept` of a whole logical FFN tensor, gathered by copying piece after piece: gate_up's rows (in
+    torch's CPU int4 scales, `[groups, rows, 2]`, dimension 1), down_proj's input columns (in torch's CPU int4
+    layout, a matrix per piece: dimension 0)."""
     if name.startswith("gate_up_proj"):
-        return torch.cat([chunk.clone() for chunk in whole.chunk(pieces, dim=0)[kept.start:kept.stop]], dim=0)
-    return torch.cat([chunk.clone() for chunk in whole.chunk(pieces, dim=1)[kept.start:kept.stop]], dim=1)
+        dim = 1 if name.endswith(".sz") else 0
+    else:
+        dim = 1 if whole.dim() == 2 else 0
+    return torch.cat([chunk.clone() for chunk in whole.chunk(pieces, dim=dim)[kept.start:kept.stop]], dim=dim)
 
 
 @pytest.mark.parametrize("bits", [32, 8, 4])

@@ -224,6 +224,35 @@ def test_a_queue_climbs_the_ladder_only_as_far_as_each_step_is_faster():
     assert sorted(d.ex.layers) == [8] * 4 + [16] * 4
 
 
+def test_a_queue_skips_a_rung_slower_than_full_precision_for_a_deeper_one_that_is_faster():
+    cpu_like = {16: 1.0, 8: 1.1, 4: 0.6}  # this CPU at a queue's batch: INT8 slower than float32, INT4 faster
+    queue = Driver()
+    for _ in range(40):
+        queue.window(0.1, delay=5.0, waiting=1, layer_seconds=cpu_like)
+    assert sorted(queue.ex.layers) == [4] * 4 + [16] * 4
+    assert {c.args.bits for _, c in queue.log if c.args.kind == "quantize"} == {4}
+    short = Driver()  # KV short climbs rung by rung: the least precision given up for the pages
+    assert [c.args.bits for c in short.window(PRESSURE, preemptions=1, layer_seconds=cpu_like)] == [8]
+    neither = Driver()
+    for _ in range(40):
+        assert not neither.window(0.1, delay=5.0, waiting=1, layer_seconds={16: 1.0, 8: 1.1, 4: 1.2})
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries({16: st.floats(0.5, 2.0), 8: st.floats(0.5, 2.0), 4: st.floats(0.5, 2.0)}))
+def test_a_queue_with_kv_to_spare_quantizes_only_to_bits_faster_than_the_layers_hold(seconds):
+    d = Driver()
+    for _ in range(30):
+        before = list(d.ex.layers)
+        for c in d.window(0.1, delay=5.0, waiting=1, layer_seconds=seconds):
+            if c.args.kind == "quantize":
+                assert all(seconds[c.args.bits] < seconds[before[i]] for i in c.args.layers)
+                if before[c.args.layers[0]] == 16 and seconds[8] >= seconds[16]:
+                    assert c.args.bits == 4  # the only faster rung, taken straight from full precision
+    if min(seconds[8], seconds[4]) < seconds[16]:
+        assert any(b <= 8 for b in d.ex.layers)  # some faster rung was taken
+
+
 def test_release_test_blocks_a_restore_while_the_kv_in_use_would_not_fit():
     d = Driver(MorphSettings(enter_windows=1, leave_windows=2, min_dwell_s=0.0, step=2, max_layers=2,
                              bits_order=(8,), kv_high=0.99, kv_low=0.98, release_margin=0.1))

@@ -36,7 +36,8 @@ def test_int4_refuses_widths_that_do_not_split_into_groups():
         quantize_int4(torch.randn(4, 100))
 
 
-def test_int4_group_is_the_largest_even_divisor_up_to_128():
+def test_int4_group_is_a_power_of_two_from_32_where_one_divides_else_the_largest_even_divisor_up_to_128():
     from services.executor.engine.morphing.quant import int4_group
 
-    assert int4_group(1536) == 128 and int4_group(576) == 96 and int4_group(4096) == 128 and int4_group(64) == 64
+    assert int4_group(1536) == 128 and int4_group(576) == 64 and int4_group(4096) == 128 and int4_group(64) == 64
+    assert int4_group(96) == 32 and int4_group(48) == 48 and int4_group(100) == 100 and int4_group(300) == 100

@@ -21,10 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.w4a16 import w4a16_linear, w4a16_linear_ref, w4a16_linear_triton
+from kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed, w4a16_linear_ref, w4a16_linear_triton
 from kernels.w8a16 import (CPU_PACKED_MAX_ROWS, w8a16_linear, w8a16_linear_cpu_packed, w8a16_linear_ref,
                            w8a16_linear_triton)
-from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
+from services.executor.engine.morphing.quant import (cpu_int4pack_codes, cpu_int4pack_dequantize, quantize_int4,
+                                                     quantize_int8, to_cpu_int4pack)
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -99,6 +100,32 @@ def test_the_cpu_packed_int8_kernel_matches_the_reference_within_bfloat16_roundi
     # only the activations' and the scale's rounding to bfloat16 differ: 2^-8 relative, summed over 256 inputs
     torch.testing.assert_close(y, w8a16_linear_ref(x, q8.qweight, q8.scale, b), atol=3e-2, rtol=2e-2)
     assert torch.equal(w8a16_linear(x, q8.qweight, q8.scale, b), y)  # a decode step's rows take it on CPU
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_cpu_int4_kernel_on_its_layout_matches_the_reference_within_bfloat16_rounding(rows, group, with_bias):
+    x, w, bias = make_case(128, 384, rows=rows, seed=case_seed("packed4", rows, group))
+    q4 = quantize_int4(w, group)
+    packed, sz = to_cpu_int4pack(q4)
+    assert packed.shape == q4.packed.shape and torch.equal(cpu_int4pack_codes(packed), q4.unpack())
+    b = bias if with_bias else None
+    y = w4a16_linear_cpu_packed(x, packed, sz, b)
+    assert y.dtype == x.dtype and y.shape == (rows, 128)
+    # activations, scales and zeros in bfloat16: 2^-8 relative each, summed over 384 inputs
+    torch.testing.assert_close(y, w4a16_linear_ref(x, q4.packed, q4.scale, q4.zero, group, b), atol=5e-2, rtol=3e-2)
+
+
+def test_the_cpu_int4_layout_is_read_back_as_torch_s_kernel_computes_with_it():
+    # the identity's rows through the kernel are the weight's columns: what it multiplies by, exactly
+    _, w, _ = make_case(192, 256, rows=1, seed=case_seed("layout4"))
+    packed, sz = to_cpu_int4pack(quantize_int4(w, 64))
+    seen = w4a16_linear_cpu_packed(torch.eye(256, dtype=torch.bfloat16), packed, sz).float().t()
+    torch.testing.assert_close(seen, cpu_int4pack_dequantize(packed, sz), atol=1e-2, rtol=1e-2)
+    # a cut of whole 64-row blocks is the same bytes as the layout of those rows alone
+    torch.testing.assert_close(w4a16_linear_cpu_packed(torch.eye(256), packed[64:192], sz[:, 64:192]).t(),
+                               cpu_int4pack_dequantize(packed, sz)[64:192], atol=1e-2, rtol=1e-2)
 
 
 def test_dispatchers_run_the_reference_on_cpu_past_a_decodes_rows_and_for_transposed_codes():

@@ -9,7 +9,8 @@ import torch
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import LINEARS
 from services.executor.engine.morphing import variants
-from services.executor.engine.morphing.quant import Int4Weight, Int8Weight, int4_group, quantize_int4, quantize_int8
+from services.executor.engine.morphing.quant import (Int4Weight, Int8Weight, cpu_int4pack_codes, cpu_int4pack_dequantize,
+                                                     int4_group, quantize_int4, quantize_int8)
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows, trace_linear_inputs
 from shared.config import EngineConfig
 from shared.sampling import SamplingOptions
@@ -27,8 +28,29 @@ def engine(tiny_dir, cache, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg), progress=False)
 
 
+def int4_codes(v: dict, name: str) -> torch.Tensor:
+    """A variant's INT4 codes of linear `name` as ``[out, in]``, whichever packing holds them."""
+    q = v[f"{name}.q"]
+    if f"{name}.sz" not in v:
+        return torch.stack((q & 0x0F, q >> 4), dim=-1).reshape(q.shape[0], -1)
+    return torch.cat([cpu_int4pack_codes(p) for p in q], dim=1) if q.dim() == 3 else cpu_int4pack_codes(q)
+
+
+def int4_dequantized(v: dict, name: str) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight a variant's INT4 linear `name` computes with, whichever packing holds it."""
+    q = v[f"{name}.q"]
+    if f"{name}.sz" not in v:
+        return Int4Weight(q, v[f"{name}.scale"], v[f"{name}.zero"], q.shape[1] * 2 // v[f"{name}.scale"].shape[1]
+                          ).dequantize().float()
+    sz = v[f"{name}.sz"]
+    if q.dim() == 3:  # down_proj's matrix per FFN piece
+        return torch.cat([cpu_int4pack_dequantize(p, s) for p, s in zip(q, sz)], dim=1)
+    return cpu_int4pack_dequantize(q, sz)
+
+
 def test_variants_equal_direct_quantization_bit_for_bit(tiny_dir, tmp_path):
     model = engine(tiny_dir, tmp_path).model
+    assert model.int4_packing == "torch-cpu"
     store = VariantStore(model, "fp", cache_dir=tmp_path)
     store.prepare(progress=False)
     for i, slot in enumerate(model.layers):
@@ -38,8 +60,10 @@ def test_variants_equal_direct_quantization_bit_for_bit(tiny_dir, tmp_path):
             group = int4_group(model.ffn_width if name == "down_proj" else slot[name].shape[1])  # whole pieces
             q8, q4 = quantize_int8(slot[name]), quantize_int4(slot[name], group)
             assert torch.equal(v8[f"{name}.q"], q8.qweight) and torch.equal(v8[f"{name}.scale"], q8.scale)
-            assert torch.equal(v4[f"{name}.q"], q4.packed) and torch.equal(v4[f"{name}.scale"], q4.scale)
-            assert torch.equal(v4[f"{name}.zero"], q4.zero)
+            # the codes bit for bit in either packing; torch's CPU layout rounds scale and zero to bfloat16
+            assert f"{name}.sz" in v4 and torch.equal(int4_codes(v4, name), q4.unpack())
+            torch.testing.assert_close(int4_dequantized(v4, name), q4.dequantize(), rtol=0, atol=3e-2 * float(
+                q4.scale.max()) + 1e-2 * float(slot[name].abs().max()))
         assert torch.equal(v4["input_norm"], slot["input_norm"]) and torch.equal(v8["post_attn_norm"],
                                                                                 slot["post_attn_norm"])
     assert store.held_bytes == store.total_bytes
@@ -126,8 +150,7 @@ def relative_errors(model, windows, store: VariantStore, bits: int) -> dict[tupl
         if bits == 8:
             wq = Int8Weight(v[f"{name}.q"], v[f"{name}.scale"]).dequantize()
         else:
-            group = v[f"{name}.q"].shape[1] * 2 // v[f"{name}.scale"].shape[1]
-            wq = Int4Weight(v[f"{name}.q"], v[f"{name}.scale"], v[f"{name}.zero"], group).dequantize()
+            wq = int4_dequantized(v, name)
         ref = (fp[norm_name] * xhat).float() @ fp[name].float().T
         out = (v[norm_name] * xhat).float() @ wq.float().T
         num[layer, name] = num.get((layer, name), 0.0) + float((ref - out).pow(2).sum())

@@ -38,7 +38,10 @@ steps faster, as MorphServe finds on its kernels. Where the executor reports its
 (`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on an
 H100 the 8B's INT8 and INT4 layers are slower than bf16 in prefill and, at batches of 64 and more, in decode, and
 quantizing every 8B executor for its queue cost the whole trace 15% more failed requests (docs/controller.md).
-Without a profile, MorphServe's premise stands: fewer bits are faster.
+Where the next rung is slower but a deeper one is faster (this CPU at a queue's batch: INT8 0.9x float32, INT4
+1.3x and more at every batch), a queue takes the deeper one for the same layers (`step_for`); KV short still
+climbs rung by rung, giving up the least precision for the pages. Without a profile, MorphServe's premise
+stands: fewer bits are faster.
 
 Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
 several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its
@@ -280,6 +283,17 @@ def faster(t: ExecutorTelemetry, step: tuple[list[int], int] | None) -> bool:
     return sum(seconds[bits] - seconds[t.layers[i]] for i in layers) < 0
 
 
+def step_for(es: ExecutorState, settings: MorphSettings) -> tuple[list[int], int] | None:
+    """The quantize step this rung would take now: next_quantize's, except for a queue with KV to spare where
+    that step's bits are slower and deeper bits of the ladder are faster: then the same layers at the first such."""
+    step = next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order)
+    if step is None or short_of_kv(es, settings) or faster(es.telemetry, step):
+        return step
+    layers, bits = step
+    deeper = [b for b in settings.bits_order if b < bits and faster(es.telemetry, (layers, b))]
+    return (layers, deeper[0]) if deeper else step
+
+
 def under_pressure(es: ExecutorState, settings: MorphSettings, step: tuple[list[int], int] | None = None) -> bool:
     """Pressure this rung answers with `step`: KV short, or a queue that fewer bits would serve faster."""
     return short_of_kv(es, settings) or (queued(es, settings) and faster(es.telemetry, step))
@@ -314,7 +328,7 @@ def will_quantize(es: ExecutorState, settings: MorphSettings, memory: ExecutorMe
     events = memory is not None and urgent(es, memory)
     if not (short or waiting or events):
         return False  # the ladder asks it of every leader at every state, and most are neither on nor pressed
-    step = next_quantize(es.telemetry.layers, settings, es.telemetry.swap_order)
+    step = step_for(es, settings)
     if step is None:
         return False
     if short or (faster(es.telemetry, step) and (waiting or events)):
@@ -353,7 +367,7 @@ def _plan_executor(es: ExecutorState, memory: ExecutorMemory, settings: MorphSet
     if not es.alive or t.draining:
         skipped = interrupted(memory.hysteresis)  # a skipped window
         return [], updated(memory, hysteresis=skipped, freed_pages=freed, pressure_seen=seen)
-    up = next_quantize(t.layers, settings, t.swap_order)
+    up = step_for(es, settings)
     down = [] if hold_restore else next_restore(t.layers, settings, t.swap_order)
     # Only windows in which a step is possible count, so a step the hysteresis grants is always
     # one the policy takes: its dwell clock then measures real commands.

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from services.executor.engine.model.decoder import (LINEARS, DecodeGroup, DecoderModel, ForwardBatch, layer_layout,
-                                                    linear, slot_layout, slot_views)
+                                                    linear, slot_views)
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 
 
@@ -40,7 +40,7 @@ def warm_linears(model: DecoderModel, bits: Collection[int], max_rows: int) -> N
               if name in LINEARS}
     device = model.embed_tokens.device
     for b in sorted({model.full_bits, *bits}):
-        views = slot_views(model.arena, layer, slot_layout(model.cfg, model.dtype, b)[0])
+        views = slot_views(model.arena, layer, model.slot_layout(b)[0])
         rows = 1
         while rows < 2 * max_rows:
             for name, width in widths.items():
@@ -121,7 +121,7 @@ class DecodeGraphs:
         self.pieces: dict[Hashable, Callable[[StaticDecode], None]] = {"embed": self._embed}
         for index in range(len(model.layers)):
             for b in self.bits:
-                views = slot_views(model.arena, index, slot_layout(model.cfg, model.dtype, b)[0])
+                views = slot_views(model.arena, index, model.slot_layout(b)[0])
                 self.pieces[index, b] = self._layer_piece(index, views, b)
         self.pieces["logits"] = self._logits
         self.graphs: dict[tuple[int, Hashable], torch.cuda.CUDAGraph] = {}

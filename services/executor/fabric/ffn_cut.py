@@ -4,7 +4,8 @@ slot, and every slot page that none of what it keeps touches becomes a KV page. 
 
 The decoder stores the FFN in `ffn_pieces` zero-padded pieces, each a contiguous run of every FFN tensor
 (gate_up rows piece after piece; down_proj input-major; INT8 codes and scales, INT4 codes, scales and
-zeros the same way), so member `rank` of TP-k keeps pieces [rank·p/k, (rank+1)·p/k) as one narrowed view
+zeros the same way; in torch's CPU int4 layout, gate_up's pieces are whole blocks of rows and down_proj one
+matrix per piece), so member `rank` of TP-k keeps pieces [rank·p/k, (rank+1)·p/k) as one narrowed view
 per tensor, at any bits. The other weights stay whole on every member (the paper keeps them duplicated:
 the FFN is most of a layer).
 
@@ -29,17 +30,22 @@ def piece_range(pieces: int, tp: int, rank: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
+def piece_dim(name: str, view: torch.Tensor) -> int | None:
+    """The dimension of an FFN tensor that runs over its pieces; None for one that every piece shares."""
+    if name.startswith(GATE_UP):
+        return 1 if name.endswith(".sz") else 0  # the CPU int4 scales are [groups, rows, 2]
+    if name.startswith(DOWN):
+        return {2: 1, 3: 0, 4: 0}.get(view.dim())  # input columns, or the CPU int4 layout's matrix per piece
+    return None
+
+
 def shard_views(views: dict[str, torch.Tensor], pieces: int, kept: range) -> dict[str, torch.Tensor]:
-    """A layer's logical views (decoder.slot_views) with the FFN narrowed to the pieces `kept`: gate_up's
-    tensors along their output rows, down_proj's 2-D tensors along their input columns (its INT8 per-output
-    scale is whole). Views of the same bytes: nothing is copied."""
+    """A layer's logical views (decoder.slot_views) with the FFN narrowed to the pieces `kept` along
+    `piece_dim` (down_proj's INT8 per-output scale is whole). Views of the same bytes: nothing is copied."""
     out = {}
     for name, view in views.items():
-        if name.startswith(GATE_UP):
-            dim = 0
-        elif name.startswith(DOWN) and view.dim() == 2:
-            dim = 1
-        else:
+        dim = piece_dim(name, view)
+        if dim is None:
             out[name] = view
             continue
         step = view.shape[dim] // pieces

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
+from services.executor.engine.model.decoder import DecoderModel, slot_views
 from services.executor.engine.morphing.variants import VariantStore
 from services.executor.fabric.ffn_cut import Cut, cut_layer, piece_range, shard_views
 from services.executor.fabric.shards import HeadShard, head_shards
@@ -106,7 +106,7 @@ def become_whole(model: DecoderModel, arena: Arena, store: VariantStore, members
         for run in runs(pages):
             arena.ledger.assign_slot(layer, run)
         bits = model.layer_bits[layer]
-        layout, _ = slot_layout(cfg, model.dtype, bits)
+        layout, _ = model.slot_layout(bits)
         views = slot_views(arena, layer, layout)
         source = store.full(layer) if bits == model.full_bits else store.get(layer, bits)
         for piece in range(cfg.ffn_pieces):

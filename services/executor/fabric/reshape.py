@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
-from services.executor.engine.model.decoder import load_layer, slot_layout, slot_views
+from services.executor.engine.model.decoder import load_layer, slot_views
 from services.executor.engine.morphing.variants import quantize_layer
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.fabric import step as wire
@@ -177,7 +177,7 @@ def follow(member: "InstanceMember", step: wire.StepPlan) -> None:
 # --- every member ---------------------------------------------------------------------------------------
 def _slot_head(member: "InstanceMember", layer: int, bits: int) -> range:
     """The pages of `layer`'s slot that its weights at `bits` take (a quantized layer leaves the rest KV)."""
-    _, nbytes = slot_layout(member.model.cfg, member.model.dtype, _model_bits(member, bits))
+    _, nbytes = member.model.slot_layout(_model_bits(member, bits))
     slot = member.arena.slot_range(layer)
     return range(slot.start, slot.start + member.arena.geometry.pages_for_bytes(nbytes))
 
@@ -260,7 +260,7 @@ def _model_bits(member: "InstanceMember", bits: int) -> int:
 
 def layer_views(member: "InstanceMember", layer: int, bits: int) -> dict[str, torch.Tensor]:
     """`layer`'s tensors at `bits`, as views into its slot."""
-    layout, _ = slot_layout(member.model.cfg, member.model.dtype, _model_bits(member, bits))
+    layout, _ = member.model.slot_layout(_model_bits(member, bits))
     return slot_views(member.arena, layer, layout)
 
 
@@ -286,7 +286,7 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     if bits != model.full_bits:
         member.full_copies[layer] = full
     _adopt_layer(member, layer, bits)
-    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits, model.ffn_width)).items():
+    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits, model.cfg, model.int4_packing)).items():
         model.layers[layer][name].copy_(tensor)
     after = _slot_head(member, layer, model.layer_bits[layer])
     if after.stop < before.stop:

@@ -11,12 +11,13 @@ float32's in the same run:
     int8pack_fp32    torch._weight_int8pack_mm with float32 activations (to 16 rows: past them it runs for
                      seconds a pass, 30-70x float32)
     int4_reference   our W4A16 torch reference: unpack, dequantize, F.linear
-    int4pack_bf16    torch._weight_int4pack_mm_for_cpu in bfloat16, torch's own packed layout and groups
+    int4_served      INT4 as the engine stores and calls it on CPU: torch's CPU int4 kernel in bfloat16 on its own
+                     layout, down_proj one matrix per FFN piece (decoder.int4_tensors)
     int8_compiled    torch.compile of the INT8 reference (--compile-rows only: each shape compiles apart)
     int4_compiled    torch.compile of the INT4 reference
 
-Transposed (input-major) weights, as the slot holds down_proj, are not modelled: every weight here is
-output-major, the best case for the packed kernels. Prints a table of milliseconds per model pass and each
+The FFN is unpadded here (the shape's intermediate width in `FFN_PIECES` pieces, padded only where the engine
+would pad it). Prints a table of milliseconds per model pass and each
 candidate's speed-up over float32, and writes JSON and a PNG.
 """
 
@@ -35,23 +36,32 @@ from shared.provenance import provenance
 ROWS = (1, 4, 16, 64, 256)
 
 
+def engine_config(shape):
+    """The engine's ModelConfig for a planner shape: what decides how a variant is laid out."""
+    from services.executor.engine.model.config import ModelConfig
+
+    return ModelConfig("llama", shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers,
+                       shape.num_heads, shape.num_kv_heads, shape.head_dim, 1e-5, 1e4, shape.max_position)
+
+
 def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
     """Each layer's linears, in every format a candidate reads."""
-    from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
+    from services.executor.engine.model.decoder import INPUT_MAJOR, TORCH_CPU, ffn_piece_width
+    from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
+    from services.executor.engine.morphing.variants import int4_variant
 
+    cfg = engine_config(shape)
+    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
+    if width * cfg.ffn_pieces != cfg.intermediate_size:
+        raise SystemExit(f"--shape {shape.name}: its FFN would be padded to {width * cfg.ffn_pieces} channels; "
+                         f"this bench runs unpadded weights")
     out = []
     for _ in range(layers):
         layer = {}
         for name, (n, k) in shape.linears.items():
             w = torch.randn(n, k, generator=gen) * 0.02
-            q8 = quantize_int8(w)
-            group = next(g for g in (128, 64, 32) if k % g == 0)  # torch's CPU int4 kernel takes these
-            q4 = quantize_int4(w, group)
-            codes = q4.unpack().to(torch.int32)
-            zeros = (8 - q4.zero.float()) * q4.scale.float()  # w = (code - 8) * scale + zero in torch's kernel
-            layer[name] = dict(w=w, q8=q8, q4=q4, group=group,
-                               pack4=torch._convert_weight_to_int4pack_for_cpu(codes, 2),
-                               sz4=torch.stack([q4.scale.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16())
+            q4 = quantize_int4(w, int4_group(width if name == INPUT_MAJOR else k))
+            layer[name] = dict(name=name, w=w, q8=quantize_int8(w), q4=q4, served4=int4_variant(name, q4, cfg, TORCH_CPU))
         out.append(layer)
     return out
 
@@ -59,21 +69,22 @@ def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
 def candidates(rows: int, compiled: bool) -> dict:
     from kernels.w4a16 import w4a16_linear_ref
     from kernels.w8a16 import w8a16_linear, w8a16_linear_ref
+    from services.executor.engine.model.decoder import linear
 
     found = {
         "float32": lambda x, t: F.linear(x, t["w"]),
         "int8_reference": lambda x, t: w8a16_linear_ref(x, t["q8"].qweight, t["q8"].scale),
         "int8_served": lambda x, t: w8a16_linear(x, t["q8"].qweight, t["q8"].scale),
-        "int4_reference": lambda x, t: w4a16_linear_ref(x, t["q4"].packed, t["q4"].scale, t["q4"].zero, t["group"]),
-        "int4pack_bf16": lambda x, t: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), t["pack4"], t["group"],
-                                                                        t["sz4"]).float(),
+        "int4_reference": lambda x, t: w4a16_linear_ref(x, t["q4"].packed, t["q4"].scale, t["q4"].zero,
+                                                        t["q4"].group_size),
+        "int4_served": lambda x, t: linear(x, t["served4"], t["name"], 4),
     }
     if rows <= 16:
         found["int8pack_fp32"] = lambda x, t: torch._weight_int8pack_mm(x, t["q8"].qweight, t["q8"].scale)
     if compiled:
         c8, c4 = torch.compile(w8a16_linear_ref, dynamic=False), torch.compile(w4a16_linear_ref, dynamic=False)
         found["int8_compiled"] = lambda x, t: c8(x, t["q8"].qweight, t["q8"].scale)
-        found["int4_compiled"] = lambda x, t: c4(x, t["q4"].packed, t["q4"].scale, t["q4"].zero, t["group"])
+        found["int4_compiled"] = lambda x, t: c4(x, t["q4"].packed, t["q4"].scale, t["q4"].zero, t["q4"].group_size)
     return found
 
 

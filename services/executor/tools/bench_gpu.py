@@ -36,7 +36,7 @@ import torch
 
 from services.executor.engine.engine import DTYPES, LLMEngine
 from services.executor.engine.memory.arena import ArenaGeometry
-from services.executor.engine.model.decoder import layer_layout, slot_layout
+from services.executor.engine.model.decoder import layer_layout
 from services.executor.engine.model.loader import load_checkpoint
 from services.executor.tools.bench_kernels import kernel_section
 from services.executor.tools.bench_swaps import SWAP_PLAN, swap_section
@@ -172,7 +172,7 @@ def decode_read_bytes(engine: LLMEngine, batch: int, kv_tokens: float) -> int:
     """Bytes one decode step of `batch` sequences over `kv_tokens` context tokens in all must read."""
     model, cfg = engine.model, engine.model_config
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    weights = sum(slot_layout(cfg, model.dtype, bits)[1] for bits in model.layer_bits)
+    weights = sum(model.slot_layout(bits)[1] for bits in model.layer_bits)
     head = model.lm_head.numel() * itemsize + batch * cfg.hidden_size * itemsize
     return int(weights + head + kv_tokens * kv_bytes_per_token(cfg, model.dtype))
 
@@ -298,7 +298,7 @@ def engine_sections(path: Path, args, device: torch.device, dtype_name: str, clo
         name=cfg.name, architecture=cfg.architecture, layers=cfg.num_layers, hidden=cfg.hidden_size,
         intermediate=cfg.intermediate_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         vocab=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-        decoder_bytes=cfg.num_layers * slot_layout(cfg, dtype, engine.model.full_bits)[1],
+        decoder_bytes=cfg.num_layers * engine.model.slot_layout(engine.model.full_bits)[1],
         lm_head_bytes=engine.model.lm_head.numel() * itemsize, kv_bytes_per_token=kv_bytes_per_token(cfg, dtype))
     if "decode" in args.section_list:
         t0 = time.perf_counter()

@@ -105,11 +105,11 @@ class Checkpoint:
 
         self.shape = from_config(model, self.config)
 
-    def arena(self, dtype_name: str, workload: Workload) -> ArenaMemory:
+    def arena(self, dtype_name: str, workload: Workload, device: str) -> ArenaMemory:
         import torch
 
         from services.executor.engine.memory.arena import ArenaGeometry
-        from services.executor.engine.model.decoder import layer_layout, variant_layout
+        from services.executor.engine.model.decoder import int4_packing, layer_layout, variant_layout
 
         dtype = getattr(torch, dtype_name)
         cfg = self.config
@@ -117,7 +117,7 @@ class Checkpoint:
         page = geometry.page_bytes
         slot = {FULL_BITS: geometry.pages_for_bytes(layer_layout(cfg, dtype)[1]) * page}
         for bits in (8, 4):
-            slot[bits] = geometry.pages_for_bytes(variant_layout(cfg, dtype, bits)[1]) * page
+            slot[bits] = geometry.pages_for_bytes(variant_layout(cfg, dtype, bits, int4_packing(device))[1]) * page
         return ArenaMemory(cfg.num_layers, page, self.block_size, slot, workload)
 
     def omega(self, bits: tuple[int, ...], path: Path | None) -> tuple[list[list[float]], str]:
@@ -268,7 +268,7 @@ def build_request(args: argparse.Namespace) -> tuple[Request, dict]:
         if checkpoint is None:
             raise PlanInputError("--memory-model arena needs a checkpoint (--model default or a path): the arena's "
                                  "pages are laid out from the model's own tensors")
-        memory = checkpoint.arena(dtype_name, workload)
+        memory = checkpoint.arena(dtype_name, workload, "cpu" if on_cpu else "cuda")
     else:
         memory = PaperMemory(shape, workload, full_bytes)
     if checkpoint is None:

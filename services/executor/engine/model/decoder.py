@@ -11,6 +11,10 @@ so a piece's input channels are consecutive rows. The views a layer hands out ar
 tensors whatever the storage (`slot_views`), so every matmul, quantizer and evaluator sees one shape.
 Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result.
 
+INT4 variants come in one of two packings (`int4_packing`): our nibbles (kernels/w4a16.py), or on CPU torch's
+int4 layout, for its kernel. That layout is blocked by output rows, so gate_up's pieces stay whole blocks
+and down_proj is stored as one matrix per piece (a cut keeps whole matrices).
+
 Its element-wise steps (RMSNorm with the residual add, RoPE with the K/V write, SiLU·mul) are fused kernels on
 CUDA (kernels/fused.py), rounding where torch rounds; `layer` takes a layer's views and bits as arguments, so
 that decode graphs (graphs.py) can capture a layer at every width its slot can hold.
@@ -32,17 +36,25 @@ from kernels.fused import add_rms_norm, rms_norm, rope_write_kv, rotate, silu_mu
 from kernels.kv_write import write_kv
 from kernels.paged_attention import DecodeGather, decode_gather, paged_decode_attention
 from kernels.prefill_attention import prefill_attention
-from kernels.w4a16 import w4a16_linear
+from kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed
 from kernels.w8a16 import w8a16_linear
 from services.executor.engine.memory.arena import Arena, align
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.config import ModelConfig
-from services.executor.engine.morphing.quant import int4_group
+from services.executor.engine.morphing.quant import cpu_int4_fits, int4_group
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 BIAS_OF = {name: name.removesuffix("_proj") + "_bias" for name in LINEARS}  # the slot's name for a linear's bias
 INPUT_MAJOR = "down_proj"  # its 2-D tensors (weight, INT8/INT4 codes, INT4 scales and zeros) are stored transposed
 PIECE_MULTIPLE = 32  # channels: a piece holds whole INT4 groups (int4_group of the piece width) and bytes
+NIBBLES, TORCH_CPU = "nibbles", "torch-cpu"  # INT4 packings: ours, and torch's CPU int4 kernel's
+
+
+def int4_packing(device: torch.device | str) -> str:
+    """How INT4 variants are packed on `device`: for torch's CPU int4 kernel on CPU (1.3-11x float32 there, where
+    our reference is slower than float32), our nibbles elsewhere (the Triton kernels read those)."""
+    on_cpu = torch.device(device).type == "cpu"
+    return TORCH_CPU if on_cpu and hasattr(torch, "_weight_int4pack_mm_for_cpu") else NIBBLES
 
 
 def ffn_piece_width(intermediate: int, pieces: int) -> int:
@@ -72,21 +84,38 @@ def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[
     return layout, offset
 
 
-def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
+def int4_tensors(name: str, out: int, inp: int, cfg: ModelConfig, dtype: torch.dtype, packing: str
+                 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Name, logical shape and dtype of linear `name`'s INT4 tensors: torch's CPU layout (`.q` and `.sz`) where
+    `packing` asks for it and its kernel takes the shape, our nibbles (`.q`, `.scale`, `.zero`) otherwise."""
+    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
+    group = int4_group(width if name == INPUT_MAJOR else inp)  # groups never straddle pieces
+    if packing == TORCH_CPU and cpu_int4_fits(out, width if name == INPUT_MAJOR else inp, group):
+        if name == INPUT_MAJOR:
+            pieces = cfg.ffn_pieces
+            return [(f"{name}.q", (pieces, out, width // 2), torch.uint8),
+                    (f"{name}.sz", (pieces, width // group, out, 2), torch.bfloat16)]
+        return [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.sz", (inp // group, out, 2), torch.bfloat16)]
+    if packing not in (NIBBLES, TORCH_CPU):
+        raise ValueError(f"no INT4 packing {packing!r}: {NIBBLES} or {TORCH_CPU}")
+    groups = inp // group
+    return [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.scale", (out, groups), dtype),
+            (f"{name}.zero", (out, groups), dtype)]
+
+
+def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int, packing: str
                    ) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
-    """Byte offset, shape and dtype of each tensor of a layer's INT8 or INT4 variant, packed from the
-    start of its slot, and the variant's size in bytes. Norms and biases stay in the serving dtype."""
+    """Byte offset, shape and dtype of each tensor of a layer's INT8 or INT4 variant (INT4 in `packing`),
+    packed from the start of its slot, and the variant's size in bytes. Norms and biases stay in the serving
+    dtype."""
     fp, _ = layer_layout(cfg, dtype)
     tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     for name in LINEARS:
         out, inp = fp[name][1]
         if bits == 8:
             tensors += [(f"{name}.q", (out, inp), torch.int8), (f"{name}.scale", (out,), dtype)]
         elif bits == 4:
-            groups = inp // int4_group(width if name == "down_proj" else inp)  # groups never straddle pieces
-            tensors += [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.scale", (out, groups), dtype),
-                        (f"{name}.zero", (out, groups), dtype)]
+            tensors += int4_tensors(name, out, inp, cfg, dtype, packing)
         else:
             raise ValueError(f"no {bits}-bit variant: layers quantize to 8 or 4 bits")
     tensors += [(name, fp[name][1], dtype) for name in ("input_norm", "post_attn_norm", "qkv_bias") if name in fp]
@@ -97,14 +126,14 @@ def variant_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
     return layout, offset
 
 
-def slot_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int
+def slot_layout(cfg: ModelConfig, dtype: torch.dtype, bits: int, packing: str
                 ) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
     """Byte offset, shape and dtype of each tensor a layer's slot holds at `bits` (the dtype's own width:
-    full precision), and the bytes they fill from the slot's start."""
+    full precision; INT4 in `packing`), and the bytes they fill from the slot's start."""
     if bits == torch.finfo(dtype).bits:
         layout, nbytes = layer_layout(cfg, dtype)
         return {name: (offset, shape, dtype) for name, (offset, shape) in layout.items()}, nbytes
-    return variant_layout(cfg, dtype, bits)
+    return variant_layout(cfg, dtype, bits, packing)
 
 
 def slot_views(arena: Arena, layer: int, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -194,11 +223,24 @@ def linear(x: torch.Tensor, w: dict, name: str, bits: int) -> torch.Tensor:
     bias = w.get(BIAS_OF[name])
     if bits == 8:
         return w8a16_linear(x, w[f"{name}.q"], w[f"{name}.scale"], bias)
+    if bits == 4 and f"{name}.sz" in w:
+        return _cpu_int4_linear(x, w[f"{name}.q"], w[f"{name}.sz"], bias)
     if bits == 4:
         q = w[f"{name}.q"]
         return w4a16_linear(x, q, w[f"{name}.scale"], w[f"{name}.zero"], q.shape[1] * 2 // w[f"{name}.scale"].shape[1],
                             bias)
     return F.linear(x, w[name], bias)
+
+
+def _cpu_int4_linear(x: torch.Tensor, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if q.dim() == 2:
+        return w4a16_linear_cpu_packed(x, q, sz, bias)
+    # down_proj, one matrix per FFN piece over the piece's inputs: their outputs add up (it has no bias)
+    width = q.shape[2] * 2
+    y = w4a16_linear_cpu_packed(x[..., :width], q[0], sz[0])
+    for piece in range(1, q.shape[0]):
+        y.add_(w4a16_linear_cpu_packed(x[..., piece * width:(piece + 1) * width], q[piece], sz[piece]))
+    return y
 
 
 def mlp(h: torch.Tensor, w: dict, bits: int, width: int) -> torch.Tensor:
@@ -276,6 +318,7 @@ class DecoderModel:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         layout, _ = layer_layout(cfg, dtype)
         self.full_bits = torch.finfo(dtype).bits
+        self.int4_packing = int4_packing(device)
         self.layer_bits = [self.full_bits] * cfg.num_layers  # what each layer's slot holds now
         self.layer_ready: list = [None] * cfg.num_layers  # CUDA event of a swap still copying into the slot
         self.layers: list[dict[str, torch.Tensor] | None] = [None] * cfg.num_layers
@@ -296,6 +339,10 @@ class DecoderModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def slot_layout(self, bits: int) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+        """slot_layout of this model's layers at `bits`."""
+        return slot_layout(self.cfg, self.dtype, bits, self.int4_packing)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Weight quantization formats of layer variants: INT8 per output channel, INT4 in groups of 128.
+"""Weight quantization formats of layer variants: INT8 per output channel, INT4 in groups of up to 128.
 
 INT8: symmetric, one scale per output channel: w ≈ q * scale, q in [-127, 127].
 INT4: asymmetric, per output channel and group of `group_size` input channels:
 w ≈ (q - zero) * scale, q in [0, 15], packed two per byte (low nibble = even input index).
-These are the torch references; the W8A16/W4A16 kernels in kernels/ consume the same tensors.
+These are the torch references; the W8A16/W4A16 kernels in kernels/ consume the same tensors, except torch's
+CPU int4 kernel, which wants its own layout of the same codes (`to_cpu_int4pack`).
 """
 
 from dataclasses import dataclass
@@ -11,14 +12,26 @@ from dataclasses import dataclass
 import torch
 
 INT4_GROUP = 128  # not the GGUF's Q4_1 group of 32: our full precision is that file, so real error shows
+CPU_INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
+CPU_INT4_BLOCK = 64  # its layout packs blocks of this many output rows, each a contiguous run of bytes
 
 
 def int4_group(in_features: int, preferred: int = INT4_GROUP) -> int:
-    """The largest even group size up to `preferred` that divides `in_features` (576 -> 96, 1536 -> 128)."""
+    """The group size for an input width: the largest power of two from 32 up to `preferred` that divides it
+    (576 -> 64, 1536 -> 128: sizes torch's CPU kernel takes), else the largest even divisor up to `preferred`."""
+    for size in sorted((s for s in CPU_INT4_GROUPS if s <= preferred), reverse=True):
+        if in_features % size == 0:
+            return size
     for size in range(min(preferred, in_features), 1, -1):
         if in_features % size == 0 and size % 2 == 0:
             return size
     raise ValueError(f"no even INT4 group divides an input width of {in_features}")
+
+
+def cpu_int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether torch's CPU int4 kernel takes this weight, in whole blocks (so that any cut of the output rows at
+    a multiple of CPU_INT4_BLOCK is a contiguous run of the packed bytes)."""
+    return group_size in CPU_INT4_GROUPS and in_features % group_size == 0 and out_features % CPU_INT4_BLOCK == 0
 
 
 @dataclass
@@ -47,6 +60,33 @@ class Int4Weight:
         out, inp = self.packed.shape[0], self.packed.shape[1] * 2
         codes = self.unpack().to(self.scale.dtype).view(out, inp // self.group_size, self.group_size)
         return ((codes - self.zero[..., None]) * self.scale[..., None]).reshape(out, inp)
+
+
+def to_cpu_int4pack(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q` in torch's CPU int4 layout: the codes repacked uint8 ``[out, in // 2]``, and the scales and zero points
+    ``[in // group, out, 2]`` in bfloat16, the activations' dtype on its fast path. torch computes
+    ``(code - 8) · scale + zero'``, so ``zero' = (8 - zero) · scale``."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.unpack().to(torch.int32), 1)
+    scale, zero = q.scale.float(), q.zero.float()
+    sz = torch.stack((scale, (8 - zero) * scale), dim=-1).transpose(0, 1)
+    return packed, sz.to(torch.bfloat16).contiguous()
+
+
+def cpu_int4pack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[out, in]`` codes of a weight in torch's CPU int4 layout: blocks of CPU_INT4_BLOCK output rows, in
+    which byte ``k·32 + n`` holds input k of row n in its low nibble and of row n + 32 in its high one."""
+    out, half = packed.shape
+    blocks = packed.reshape(out // CPU_INT4_BLOCK, half * 2, CPU_INT4_BLOCK // 2)
+    return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).transpose(1, 2).reshape(out, half * 2)
+
+
+def cpu_int4pack_dequantize(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight torch's CPU int4 kernel multiplies by, for ``to_cpu_int4pack``'s tensors."""
+    codes = cpu_int4pack_codes(packed).float()
+    out, inp = codes.shape
+    groups = sz.shape[0]
+    scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()
+    return ((codes.view(out, groups, inp // groups) - 8) * scale[..., None] + zero[..., None]).view(out, inp)
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:

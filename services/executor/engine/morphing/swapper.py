@@ -15,7 +15,7 @@ import torch
 
 from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel, slot_layout, slot_views
+from services.executor.engine.model.decoder import DecoderModel, slot_views
 from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.morphing.variants import VariantStore
 from services.executor.engine.scheduling.scheduler import Scheduler
@@ -47,7 +47,7 @@ class LayerSwapper:
         self._side = torch.cuda.Stream(device=arena.buffer.device) if on_cuda else None
         self._layouts, self._pages = {}, {}
         for bits in (model.full_bits, *self.store.bits):
-            self._layouts[bits], nbytes = slot_layout(model.cfg, model.dtype, bits)
+            self._layouts[bits], nbytes = model.slot_layout(bits)
             self._pages[bits] = arena.geometry.pages_for_bytes(nbytes)
         self._order = list(range(len(model.layers)))
 

@@ -36,12 +36,16 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
-from services.executor.engine.model.decoder import LINEARS, DecoderModel, layer_layout, mlp, rotate, variant_layout
-from services.executor.engine.morphing.quant import INT4_GROUP, int4_group, quantize_int4, quantize_int8
+from services.executor.engine.model.config import ModelConfig
+from services.executor.engine.model.decoder import (INPUT_MAJOR, LINEARS, DecoderModel, ffn_piece_width, int4_tensors,
+                                                    layer_layout, mlp, rotate, variant_layout)
+from services.executor.engine.morphing.quant import (INT4_GROUP, Int4Weight, int4_group, quantize_int4, quantize_int8,
+                                                     to_cpu_int4pack)
 from shared.config import data_dir
 
-# Bump when what a cache directory holds changes meaning. 2: AWQ scales INT4 only; 3: the FFN in padded pieces.
-FORMAT_VERSION = 3
+# Bump when what a cache directory holds changes meaning. 2: AWQ scales INT4 only; 3: the FFN in padded pieces;
+# 4: INT4 groups powers of two where they divide, and torch's CPU int4 layout on CPU.
+FORMAT_VERSION = 4
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/variants")
 DEFAULT_CORPUS = data_dir() / "corpora" / "wikitext-2-test.txt"
 AWQ_ALPHA = 0.5
@@ -113,22 +117,41 @@ def awq_scales(model: DecoderModel, windows: list[list[int]], alpha: float = AWQ
     return scales
 
 
-def quantize_layer(fp: dict[str, torch.Tensor], bits: int, ffn_width: int,
+def int4_variant(name: str, q4: Int4Weight, cfg: ModelConfig, packing: str) -> dict[str, torch.Tensor]:
+    """Linear `name`'s INT4 tensors under variant_layout's names, in `packing` where its kernel takes the shape."""
+    dtype = q4.scale.dtype
+    names = [entry[0] for entry in int4_tensors(name, q4.packed.shape[0], q4.packed.shape[1] * 2, cfg, dtype, packing)]
+    if f"{name}.sz" not in names:
+        return {f"{name}.q": q4.packed, f"{name}.scale": q4.scale, f"{name}.zero": q4.zero}
+    if name != INPUT_MAJOR:
+        packed, sz = to_cpu_int4pack(q4)
+        return {f"{name}.q": packed, f"{name}.sz": sz}
+    # down_proj: one matrix per FFN piece (whole groups: they divide the piece width)
+    width, pieces = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces), cfg.ffn_pieces
+    groups = width // q4.group_size
+    parts = [to_cpu_int4pack(Int4Weight(q4.packed[:, p * width // 2:(p + 1) * width // 2],
+                                        q4.scale[:, p * groups:(p + 1) * groups], q4.zero[:, p * groups:(p + 1) * groups],
+                                        q4.group_size)) for p in range(pieces)]
+    return {f"{name}.q": torch.stack([q for q, _ in parts]), f"{name}.sz": torch.stack([sz for _, sz in parts])}
+
+
+def quantize_layer(fp: dict[str, torch.Tensor], bits: int, cfg: ModelConfig, packing: str,
                    scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A layer's `bits`-bit variant under variant_layout's names. Without `scales` every linear is exactly
-    quant.py's quantization of the full-precision weight; with them, see the module docstring. down_proj's
-    INT4 groups divide the FFN piece width `ffn_width`, so that a tensor-parallel cut keeps whole groups."""
+    """A layer's `bits`-bit variant under variant_layout's names (INT4 in `packing`). Without `scales` every linear
+    is exactly quant.py's quantization of the full-precision weight; with them, see the module docstring.
+    down_proj's INT4 groups divide the FFN piece width, so that a tensor-parallel cut keeps whole groups."""
     scales = scales or {}
     variant = {}
+    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     for name in LINEARS:
         w = fp[name] if name not in scales else fp[name].float() * scales[name].to(fp[name].device)
         if bits == 8:
             q8 = quantize_int8(w)
             variant |= {f"{name}.q": q8.qweight, f"{name}.scale": q8.scale.to(fp[name].dtype)}
         elif bits == 4:
-            q4 = quantize_int4(w, int4_group(ffn_width if name == "down_proj" else w.shape[1]))
-            variant |= {f"{name}.q": q4.packed, f"{name}.scale": q4.scale.to(fp[name].dtype),
-                        f"{name}.zero": q4.zero.to(fp[name].dtype)}
+            q4 = quantize_int4(w, int4_group(width if name == INPUT_MAJOR else w.shape[1]))
+            q4 = Int4Weight(q4.packed, q4.scale.to(fp[name].dtype), q4.zero.to(fp[name].dtype), q4.group_size)
+            variant |= int4_variant(name, q4, cfg, packing)
         else:
             raise ValueError(f"no {bits}-bit variant: layers quantize to 8 or 4 bits")
     variant |= {name: fp[name].clone() for name in ("input_norm", "post_attn_norm", "qkv_bias") if name in fp}
@@ -162,7 +185,8 @@ class VariantStore:
         self.awq, self.alpha, self.calibration = awq, awq_alpha, calibration
         self.pin = model.embed_tokens.device.type == "cuda"
         settings = dict(version=FORMAT_VERSION, fingerprint=fingerprint, dtype=str(model.dtype), layers=n,
-                        bits=sorted(self.bits), int4_group=f"largest even divisor up to {INT4_GROUP}",
+                        bits=sorted(self.bits), int4_group=f"power of two from 32, else even, up to {INT4_GROUP}",
+                        int4_packing=model.int4_packing,
                         awq=dict(alpha=awq_alpha, calibration=hashlib.sha256(
                             json.dumps(calibration).encode()).hexdigest()) if awq else False)
         self.key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -170,7 +194,7 @@ class VariantStore:
         self.dir = (Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / self.key[:32]
                     if fingerprint is not None else None)
         sizes = {self.full_bits: _nbytes(layer_layout(cfg, model.dtype)[0], model.dtype)}
-        sizes |= {b: _nbytes(variant_layout(cfg, model.dtype, b)[0]) for b in self.bits}
+        sizes |= {b: _nbytes(variant_layout(cfg, model.dtype, b, model.int4_packing)[0]) for b in self.bits}
         self.entry_bytes = sizes
         self.total_bytes = n * sum(sizes.values())
         order = list(range(n)) if order is None else list(order)
@@ -247,7 +271,8 @@ class VariantStore:
                 fp = {name: view.clone() for name, view in model.layers[layer].items()}
                 # AWQ pays off at 4 bits only: at 8 it made gate_up_proj worse (docs/benchmarks.md)
                 entries = {self.full_bits: fp} | {
-                    b: quantize_layer(fp, b, model.ffn_width, scales[layer] if b == 4 else None) for b in self.bits}
+                    b: quantize_layer(fp, b, model.cfg, model.int4_packing, scales[layer] if b == 4 else None)
+                    for b in self.bits}
                 self.counters["quantized"] += 1
                 for kind, tensors in entries.items():
                     if tmp is not None:

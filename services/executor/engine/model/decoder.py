@@ -51,8 +51,9 @@ NIBBLES, TORCH_CPU = "nibbles", "torch-cpu"  # INT4 packings: ours, and torch's 
 
 
 def int4_packing(device: torch.device | str) -> str:
-    """How INT4 variants are packed on `device`: for torch's CPU int4 kernel on CPU (1.3-11x float32 there, where
-    our reference is slower than float32), our nibbles elsewhere (the Triton kernels read those)."""
+    """How INT4 variants are packed on `device`: for torch's CPU int4 kernel on CPU (1.4-6.5x float32 over the
+    default model's linears, where our reference is slower than float32), our nibbles elsewhere (the Triton
+    kernels read those)."""
     on_cpu = torch.device(device).type == "cpu"
     return TORCH_CPU if on_cpu and hasattr(torch, "_weight_int4pack_mm_for_cpu") else NIBBLES
 
@@ -88,16 +89,16 @@ def int4_tensors(name: str, out: int, inp: int, cfg: ModelConfig, dtype: torch.d
                  ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Name, logical shape and dtype of linear `name`'s INT4 tensors: torch's CPU layout (`.q` and `.sz`) where
     `packing` asks for it and its kernel takes the shape, our nibbles (`.q`, `.scale`, `.zero`) otherwise."""
-    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
-    group = int4_group(width if name == INPUT_MAJOR else inp)  # groups never straddle pieces
-    if packing == TORCH_CPU and cpu_int4_fits(out, width if name == INPUT_MAJOR else inp, group):
-        if name == INPUT_MAJOR:
-            pieces = cfg.ffn_pieces
-            return [(f"{name}.q", (pieces, out, width // 2), torch.uint8),
-                    (f"{name}.sz", (pieces, width // group, out, 2), torch.bfloat16)]
-        return [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.sz", (inp // group, out, 2), torch.bfloat16)]
     if packing not in (NIBBLES, TORCH_CPU):
         raise ValueError(f"no INT4 packing {packing!r}: {NIBBLES} or {TORCH_CPU}")
+    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
+    k = width if name == INPUT_MAJOR else inp  # down_proj's groups never straddle pieces
+    group = int4_group(k)
+    if packing == TORCH_CPU and cpu_int4_fits(out, k, group):
+        if name == INPUT_MAJOR:  # a matrix per piece: a TP cut runs over its inputs
+            return [(f"{name}.q", (cfg.ffn_pieces, out, k // 2), torch.uint8),
+                    (f"{name}.sz", (cfg.ffn_pieces, k // group, out, 2), torch.bfloat16)]
+        return [(f"{name}.q", (out, k // 2), torch.uint8), (f"{name}.sz", (k // group, out, 2), torch.bfloat16)]
     groups = inp // group
     return [(f"{name}.q", (out, inp // 2), torch.uint8), (f"{name}.scale", (out, groups), dtype),
             (f"{name}.zero", (out, groups), dtype)]

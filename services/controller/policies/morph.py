@@ -38,8 +38,8 @@ steps faster, as MorphServe finds on its kernels. Where the executor reports its
 (`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on an
 H100 the 8B's INT8 and INT4 layers are slower than bf16 in prefill and, at batches of 64 and more, in decode, and
 quantizing every 8B executor for its queue cost the whole trace 15% more failed requests (docs/controller.md).
-Where the next rung is slower but a deeper one is faster (this CPU at a queue's batch: INT8 0.9x float32, INT4
-1.3x and more at every batch), a queue takes the deeper one for the same layers (`step_for`); KV short still
+Where the next rung is slower but a deeper one is faster (this CPU from 16 rows: INT8 0.7-0.97x float32, INT4
+1.4x and more at every batch), a queue takes the deeper one for the same layers (`step_for`); KV short still
 climbs rung by rung, giving up the least precision for the pages. Without a profile, MorphServe's premise
 stands: fewer bits are faster.
 

@@ -11,9 +11,9 @@ dequantises with the group's scale and zero broadcast over the group, and calls
 On CPU the engine stores INT4 layers in the layout of torch's CPU int4 kernel
 (``torch._weight_int4pack_mm_for_cpu``; ``quant.to_cpu_int4pack``) wherever
 that kernel takes the shape, and runs it with bfloat16 activations: over the
-default model's linears it was 7-11x faster than float32 at 1-4 rows, 2.2x at
-64 and 1.3-1.5x at 256-512 (docs/benchmarks.md), where the reference is
-slower than float32 at every row count. With float32 activations the kernel
+default model's linears it was 5.3-6.5x faster than float32 at 1-4 rows,
+3.4x at 16, 1.8x at 64 and 1.4x at 256 (docs/benchmarks.md), where the
+reference is slower than float32 at every row count. With float32 activations the kernel
 was slower than float32's GEMM, so it is not used that way.
 
 On CUDA the weight stays packed in memory (a quarter of bf16's bytes, which is

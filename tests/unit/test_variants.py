@@ -9,8 +9,8 @@ import torch
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import LINEARS
 from services.executor.engine.morphing import variants
-from services.executor.engine.morphing.quant import (Int4Weight, Int8Weight, cpu_int4pack_codes, cpu_int4pack_dequantize,
-                                                     int4_group, quantize_int4, quantize_int8)
+from services.executor.engine.morphing.quant import (Int4Weight, Int8Weight, cpu_int4pack_codes,
+                                                     cpu_int4pack_dequantize, int4_group, quantize_int4, quantize_int8)
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows, trace_linear_inputs
 from shared.config import EngineConfig
 from shared.sampling import SamplingOptions

@@ -286,7 +286,8 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     if bits != model.full_bits:
         member.full_copies[layer] = full
     _adopt_layer(member, layer, bits)
-    for name, tensor in (full if bits == model.full_bits else quantize_layer(full, bits, model.cfg, model.int4_packing)).items():
+    written = full if bits == model.full_bits else quantize_layer(full, bits, model.cfg, model.int4_packing)
+    for name, tensor in written.items():
         model.layers[layer][name].copy_(tensor)
     after = _slot_head(member, layer, model.layer_bits[layer])
     if after.stop < before.stop:

@@ -16,9 +16,9 @@ float32's in the same run:
     int8_compiled    torch.compile of the INT8 reference (--compile-rows only: each shape compiles apart)
     int4_compiled    torch.compile of the INT4 reference
 
-The FFN is unpadded here (the shape's intermediate width in `FFN_PIECES` pieces, padded only where the engine
-would pad it). Prints a table of milliseconds per model pass and each
-candidate's speed-up over float32, and writes JSON and a PNG.
+The FFN is the shape's own intermediate width in `FFN_PIECES` pieces (a shape whose pieces the engine would pad
+is refused). Prints a table of milliseconds per model pass and each candidate's speed-up over float32, and
+writes JSON and a PNG.
 """
 
 import argparse
@@ -46,8 +46,8 @@ def engine_config(shape):
 
 def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
     """Each layer's linears, in every format a candidate reads."""
-    from services.executor.engine.model.decoder import INPUT_MAJOR, TORCH_CPU, ffn_piece_width
-    from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
+    from services.executor.engine.model.decoder import TORCH_CPU, ffn_piece_width, int4_group_of
+    from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
     from services.executor.engine.morphing.variants import int4_variant
 
     cfg = engine_config(shape)
@@ -60,8 +60,9 @@ def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
         layer = {}
         for name, (n, k) in shape.linears.items():
             w = torch.randn(n, k, generator=gen) * 0.02
-            q4 = quantize_int4(w, int4_group(width if name == INPUT_MAJOR else k))
-            layer[name] = dict(name=name, w=w, q8=quantize_int8(w), q4=q4, served4=int4_variant(name, q4, cfg, TORCH_CPU))
+            q4 = quantize_int4(w, int4_group_of(name, k, cfg))
+            layer[name] = dict(name=name, w=w, q8=quantize_int8(w), q4=q4,
+                               served4=int4_variant(name, q4, cfg, TORCH_CPU))
         out.append(layer)
     return out
 

@@ -52,8 +52,8 @@ from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model.decoder import LINEARS, DecoderModel, fused_ffn, rms_norm, rotate
-from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
+from services.executor.engine.model.decoder import LINEARS, DecoderModel, fused_ffn, int4_group_of, rms_norm, rotate
+from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 from services.executor.tools.evaluate import (
     DEFAULT_CORPUS, SimulatedQuantization, evaluate, load_tokens, perplexity, require_full_precision,
 )
@@ -121,7 +121,7 @@ def group_size(model: DecoderModel, name: str, bits: int) -> int:
     if bits == 8:
         return in_features
     if bits == 4:
-        return int4_group(model.ffn_width if name == "down_proj" else in_features)
+        return int4_group_of(name, in_features, model.cfg)
     raise ValueError(f"layers quantize to 8 or 4 bits, not {bits}")
 
 

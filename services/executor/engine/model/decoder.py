@@ -85,6 +85,11 @@ def layer_layout(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, tuple[
     return layout, offset
 
 
+def int4_group_of(name: str, in_features: int, cfg: ModelConfig) -> int:
+    """INT4 group size of linear `name`: down_proj's divides the FFN piece width, so groups never straddle pieces."""
+    return int4_group(ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces) if name == INPUT_MAJOR else in_features)
+
+
 def int4_tensors(name: str, out: int, inp: int, cfg: ModelConfig, dtype: torch.dtype, packing: str
                  ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Name, logical shape and dtype of linear `name`'s INT4 tensors: torch's CPU layout (`.q` and `.sz`) where
@@ -92,8 +97,8 @@ def int4_tensors(name: str, out: int, inp: int, cfg: ModelConfig, dtype: torch.d
     if packing not in (NIBBLES, TORCH_CPU):
         raise ValueError(f"no INT4 packing {packing!r}: {NIBBLES} or {TORCH_CPU}")
     width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
-    k = width if name == INPUT_MAJOR else inp  # down_proj's groups never straddle pieces
-    group = int4_group(k)
+    k = width if name == INPUT_MAJOR else inp  # down_proj's matrices are its pieces
+    group = int4_group_of(name, inp, cfg)
     if packing == TORCH_CPU and cpu_int4_fits(out, k, group):
         if name == INPUT_MAJOR:  # a matrix per piece: a TP cut runs over its inputs
             return [(f"{name}.q", (cfg.ffn_pieces, out, k // 2), torch.uint8),

@@ -37,9 +37,9 @@ from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.model.config import ModelConfig
-from services.executor.engine.model.decoder import (INPUT_MAJOR, LINEARS, DecoderModel, ffn_piece_width, int4_tensors,
+from services.executor.engine.model.decoder import (INPUT_MAJOR, LINEARS, DecoderModel, int4_group_of, int4_tensors,
                                                     layer_layout, mlp, rotate, variant_layout)
-from services.executor.engine.morphing.quant import (INT4_GROUP, Int4Weight, int4_group, quantize_int4, quantize_int8,
+from services.executor.engine.morphing.quant import (INT4_GROUP, Int4Weight, quantize_int4, quantize_int8,
                                                      to_cpu_int4pack)
 from shared.config import data_dir
 
@@ -127,11 +127,9 @@ def int4_variant(name: str, q4: Int4Weight, cfg: ModelConfig, packing: str) -> d
         packed, sz = to_cpu_int4pack(q4)
         return {f"{name}.q": packed, f"{name}.sz": sz}
     # down_proj: one matrix per FFN piece (whole groups: they divide the piece width)
-    width, pieces = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces), cfg.ffn_pieces
-    groups = width // q4.group_size
-    parts = [to_cpu_int4pack(Int4Weight(q4.packed[:, p * width // 2:(p + 1) * width // 2],
-                                        q4.scale[:, p * groups:(p + 1) * groups], q4.zero[:, p * groups:(p + 1) * groups],
-                                        q4.group_size)) for p in range(pieces)]
+    pieces = cfg.ffn_pieces
+    parts = [to_cpu_int4pack(Int4Weight(packed, scale, zero, q4.group_size)) for packed, scale, zero in
+             zip(q4.packed.chunk(pieces, dim=1), q4.scale.chunk(pieces, dim=1), q4.zero.chunk(pieces, dim=1))]
     return {f"{name}.q": torch.stack([q for q, _ in parts]), f"{name}.sz": torch.stack([sz for _, sz in parts])}
 
 
@@ -142,14 +140,13 @@ def quantize_layer(fp: dict[str, torch.Tensor], bits: int, cfg: ModelConfig, pac
     down_proj's INT4 groups divide the FFN piece width, so that a tensor-parallel cut keeps whole groups."""
     scales = scales or {}
     variant = {}
-    width = ffn_piece_width(cfg.intermediate_size, cfg.ffn_pieces)
     for name in LINEARS:
         w = fp[name] if name not in scales else fp[name].float() * scales[name].to(fp[name].device)
         if bits == 8:
             q8 = quantize_int8(w)
             variant |= {f"{name}.q": q8.qweight, f"{name}.scale": q8.scale.to(fp[name].dtype)}
         elif bits == 4:
-            q4 = quantize_int4(w, int4_group(width if name == INPUT_MAJOR else w.shape[1]))
+            q4 = quantize_int4(w, int4_group_of(name, w.shape[1], cfg))
             q4 = Int4Weight(q4.packed, q4.scale.to(fp[name].dtype), q4.zero.to(fp[name].dtype), q4.group_size)
             variant |= int4_variant(name, q4, cfg, packing)
         else:

@@ -46,7 +46,7 @@ bench-engine: install-test
 # and `make bench-gpu` (Llama-3.2-1B and Llama-3-8B shapes, random weights, bf16: decode vs transformers and the
 # roofline, swaps, kernels vs cuBLAS and SDPA; each checkpoint written once into ~/.cache/morphling/shapes), and
 # `make profile-gpu`: SplitQuant's latency profile of Llama-3-8B's layers there, what the simulator's GPU fleets
-# read (services/simulator/fleets), on serving's grid for an 80 GB GPU: prefill steps up to 32k tokens, prompts
+# read (services/tools/simulator/fleets), on serving's grid for an 80 GB GPU: prefill steps up to 32k tokens, prompts
 # to 4,096; decodes of up to 128 sequences (128 × 1,024 tokens prefilled at once to reach them). Each target is
 # a call of its own: the device tool allows ten minutes a call.
 GPU_SITE ?= /tmp/morphling-site

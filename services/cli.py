@@ -20,32 +20,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("services.controller.service",
                    "morphs under load and back after: quantizes layers (MorphServe); replicates, migrates, "
                    "evicts and caps the batch (CoCoServe); splits TP merges nothing needs (AMOEBAs)"),
-    "bench-engine": ("services.executor.tools.bench_engine",
+    "bench-engine": ("services.tools.microbench.engine",
                      "offline generation throughput: our engine vs transformers.generate; --against URL: our "
                      "served system beside another OpenAI-compatible server (vLLM)"),
-    "bench": ("services.bench.run", "replay a bursty trace against the system in each precision mode"),
-    "simulate": ("services.simulator.run",
+    "bench": ("services.tools.bench.run", "replay a bursty trace against the system in each precision mode"),
+    "simulate": ("services.tools.simulator.run",
                  "the bench's experiment on a simulated fleet, run by the real monitor, controller and router"),
-    "bench-cpu-kernels": ("services.executor.tools.bench_cpu_kernels",
+    "bench-cpu-kernels": ("services.tools.microbench.cpu_kernels",
                           "which low-bit linear beats float32 on this CPU at which batch rows (the model's linears)"),
-    "bench-cocoserve": ("services.bench.cocoserve",
+    "bench-cocoserve": ("services.tools.bench.cocoserve",
                         "one instance without operations vs CoCoServe scaling over a request-rate sweep"),
-    "bench-reshape": ("services.executor.tools.bench_reshape",
+    "bench-reshape": ("services.tools.microbench.reshape",
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
-    "bench-amoebas": ("services.executor.tools.bench_amoebas",
+    "bench-amoebas": ("services.tools.microbench.amoebas",
                       "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
-    "bench-bus": ("services.bench.bus_scale",
+    "bench-bus": ("services.tools.bench.bus_scale",
                   "what the real monitor and controller sustain as synthetic executors' telemetry grows to 1,000"),
-    "bench-hybrid": ("services.bench.hybrid",
+    "bench-hybrid": ("services.tools.bench.hybrid",
                      "AMOEBAs' scheduler vs round-robin vs least-load-first on short and long requests (Fig. 12)"),
-    "bench-plan": ("services.executor.tools.bench_plan",
+    "bench-plan": ("services.tools.plan.bench",
                    "SplitQuant's planner: solve time by size, fleets against Uniform and Het, predicted vs measured here"),
-    "profile": ("services.executor.tools.profile",
+    "profile": ("services.tools.profile.lis",
                 "rank decoder layers by importance (LIS) into a swap order; --speedup: fit the speed-up model; "
                 "--latency: time layers by phase and bits (SplitQuant); --indicator: the variance indicator ω"),
-    "plan": ("services.executor.tools.plan",
+    "plan": ("services.tools.plan.run",
              "SplitQuant: per-layer bits, layers across a mixed GPU fleet and micro-batch sizes (an ILP)"),
-    "eval": ("services.executor.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
+    "eval": ("services.tools.evaluate", "perplexity with K layers quantized (`morphling eval ppl`)"),
     "morph": ("services.admin_cli:morph_main",
               "by hand through a gateway: quantize or restore layers, replicate, migrate or evict them, cap the batch, "
               "merge executors into a TP instance and split it"),
@@ -54,8 +54,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # A flag that makes a subcommand another module's: `bench-engine --against URL` compares two served systems over
-# HTTP, which is the bench's work (services/bench/peer.py), not the executor's.
-FLAG_ROUTES: dict[tuple[str, str], str] = {("bench-engine", "--against"): "services.bench.peer"}
+# HTTP, which is the bench's work (services/tools/bench/peer.py), not the executor's.
+FLAG_ROUTES: dict[tuple[str, str], str] = {("bench-engine", "--against"): "services.tools.bench.peer"}
 
 
 def _usage_parser() -> argparse.ArgumentParser:

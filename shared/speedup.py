@@ -72,7 +72,7 @@ class Line:
 
 @dataclass(frozen=True)
 class SpeedupProfile:
-    """The fitted costs `morphling profile --speedup` writes (services/executor/tools/profile_speedup.py)."""
+    """The fitted costs `morphling profile --speedup` writes (services/tools/profile/speedup.py)."""
     model: str
     device: str
     threads: int

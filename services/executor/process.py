@@ -45,7 +45,7 @@ def swap_order(engine, choice: str) -> list[int]:
     LIS profile (shipped for the default model, else cached, else profiled now on WikiText-2), "front"
     is front to back, anything else a `morphling profile` JSON file."""
     from services.executor.engine.morphing.swapper import SwapError
-    from services.executor.tools.profile import MissingCorpusError, swap_order_for
+    from services.executor.engine.morphing.importance import MissingCorpusError, swap_order_for
 
     if choice == "front":
         return list(range(engine.model_config.num_layers))

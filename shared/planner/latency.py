@@ -11,7 +11,7 @@ The two phases differ in what bounds them, so each has its own linear model over
 
 One fit per (phase, bits) for bits in {16, 8, 4}, where 16 stands for the serving dtype's full precision
 whatever it is (float32 on CPU). The coefficients come from `morphling profile --latency`
-(services/executor/tools/profile_latency.py), which times the real engine and writes a "latency-profile"
+(services/tools/profile/latency.py), which times the real engine and writes a "latency-profile"
 JSON; `load_profile` reads it back as a FittedLatency for the planner.
 
 Fits minimise relative, not absolute, error: a batch of one short prompt and a batch of eight long ones

@@ -207,7 +207,7 @@ def most_in_flight(records: list[dict]) -> int:
 def test_bench_engine_against_another_server_takes_turns_on_the_same_prompts(tmp_path, monkeypatch):
     """`bench-engine --against`: ours and a peer (here our own gateway behind a proxy that serves only the OpenAI
     endpoints, as vLLM would) on the same prompts, a closed loop per concurrency, rounds in turns."""
-    from services.bench import peer as peer_bench
+    from services.tools.bench import peer as peer_bench
 
     loops: list[tuple[str, int, list, list]] = []
     played = peer_bench.closed_loop

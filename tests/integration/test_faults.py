@@ -43,16 +43,28 @@ async def stream_one(url: str, i: int) -> str:
 
 
 def test_killed_executor_requeues_waiting_requests_and_errors_streaming_ones(system):
+    async def waiting_on_exec0() -> int:
+        # until exec0 reports requests queued behind its running one (the router spreads the six)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            view = {e["id"]: e for e in (await asyncio.to_thread(system.cluster))["executors"]}
+            if view.get("exec0", {}).get("waiting", 0) >= 1 and view["exec0"]["running"] == 1:
+                return view["exec0"]["waiting"]
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"exec0 never had a request waiting: {view}")
+
     async def scenario():
         tasks = [asyncio.create_task(stream_one(system.url, i)) for i in range(6)]
-        await asyncio.sleep(4)  # both executors busy, others queued behind them
+        waiting = await waiting_on_exec0()
         await asyncio.to_thread(system.kill, "exec0")
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+        return waiting, await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
 
-    outcomes = asyncio.run(scenario())
+    waiting, outcomes = asyncio.run(scenario())
     assert set(outcomes) <= {"finished", "error"}, outcomes
     assert outcomes.count("error") <= 1  # only exec0's one running request was already streaming
-    assert outcomes.count("finished") >= 5
+    # exec0 stays dead until the end of this test, so the requests waiting on it finished on exec1: requeued
+    assert outcomes.count("finished") >= 5 and waiting >= 1
+    assert {e["id"]: e["alive"] for e in system.cluster()["executors"]}.get("exec0") is not True
     system.start_executor(0)
     system.wait_ready(240)
 

@@ -183,7 +183,8 @@ def test_a_bus_outage_ends_what_is_in_flight_refuses_new_requests_then_serving_r
     time.sleep(0.2)
     r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert_error(r, 503, code="bus_unavailable")
-    assert r.headers["retry-after"] == "2" and time.monotonic() - killed < outage_s  # at once, not after the bound
+    # at once, not after the bound: the request admitted before the kill is still waiting for its tokens
+    assert r.headers["retry-after"] == "2" and not waiting.done()
 
     with pytest.raises(openai.APIError) as err:
         for _ in stream:

@@ -10,7 +10,7 @@ import openai
 import torch
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.tools.plan import main as plan_main
+from services.tools.plan.run import main as plan_main
 from services.up import cpu_cores
 from shared.config import RESULTS_DIR, EngineConfig, parse_size
 from shared.sampling import SamplingOptions

@@ -9,8 +9,8 @@ log directory, then checks that the system serves again before the next test:
 - the executor: the stream ends with an SSE error (the gateway may try another executor for only
   1 s, and there is none); `up` restarts the executor, a new request succeeds, and the gateway's
   /metrics counts the restart;
-- nats-server, back within the bus-outage bound (`up` restarts it after 0.5 s): the stream goes on,
-  and then it must hold the same text as an undisturbed run, or end with an error;
+- nats-server, back within the bus-outage bound (`up` restarts it after 0.5 s): the stream goes on and
+  holds the same text as an undisturbed run;
 - nats-server, gone longer than the bound (the test holds its port, so `up`'s restarts fail for a
   while): the stream ends with an SSE error within the bound plus slack; `up` keeps restarting
   nats-server until it is back on the same port, and a new request succeeds.
@@ -33,7 +33,7 @@ READY_TIMEOUT_S = 180  # the default model loads in ~20 s on an idle 2-core mach
 RECOVER_TIMEOUT_S = 180  # a restarted executor loads the model again
 STOP_TIMEOUT_S = 60
 EXECUTOR_LOST_WITHIN_S = 30  # failover timeout 1 s plus the monitor's dead threshold, with slack
-BUS_OUTAGE_S = 2
+BUS_OUTAGE_S = 5  # a restart (0.5 s) and the clients' reconnect (0.25 s a try) stay well inside it
 BUS_LOST_WITHIN_S = 15  # the bus-outage bound plus slack
 # Long enough that the outage outlasts the bound, short enough that `up`'s restarts of nats-server
 # meanwhile (after 0.5, 1 and 2 s of backoff) stay below its crash-loop limit.
@@ -149,10 +149,8 @@ def test_a_nats_server_back_within_the_outage_bound_loses_no_text(up):
     restarts = up.console().count("nats-server restarted")
     error, _, text = stream_and_kill(up, "nats-server", max_tokens=60)
     up.wait_console(f"nats-server restarted (restart {restarts + 1}", timeout=30)
-    if error is None:
-        assert text == undisturbed, "the stream went on after the bus came back, but text was lost on the way"
-    else:
-        assert_stream_error(error, 0.0, BUS_LOST_WITHIN_S, up)
+    assert error is None, f"the bus came back within the bound, yet the stream ended: {error}\n{up.logs()}"
+    assert text == undisturbed, "the stream went on after the bus came back, but text was lost on the way"
     wait_serving(up)
     assert_answers(up)
 

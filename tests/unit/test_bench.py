@@ -8,19 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.bench.client import ClusterSample, RequestRecord
-from services.bench.metrics import percentile, precision_share, preemptions, summarize, timeline
-from services.bench.plots import plot_timeline, plot_ttft_cdf
-from services.bench.prompts import PromptPool, fit, read_texts
-from services.bench.quality import PerplexityTable, quality
-from services.bench.events import actions, reaction
-from services.bench.modes import MODES, ModeError, up_args
-from services.bench.report import add_quality, comparison, mode_summary, window_result
-from services.bench.run import parse_args
-from services.bench import suite
-from services.bench.rest import at_rest, shape
-from services.bench.suite import Replay
-from services.bench.trace import TraceError, load_trace, read_rows, scale_lengths
+from services.tools.bench.client import ClusterSample, RequestRecord
+from services.tools.bench.metrics import percentile, precision_share, preemptions, summarize, timeline
+from services.tools.bench.plots import plot_timeline, plot_ttft_cdf
+from services.tools.bench.prompts import PromptPool, fit, read_texts
+from services.tools.bench.quality import PerplexityTable, quality
+from services.tools.bench.events import actions, reaction
+from services.tools.bench.modes import MODES, ModeError, up_args
+from services.tools.bench.report import add_quality, comparison, mode_summary, window_result
+from services.tools.bench.run import parse_args
+from services.tools.bench import suite
+from services.tools.bench.rest import at_rest, shape
+from services.tools.bench.suite import Replay
+from services.tools.bench.trace import TraceError, load_trace, read_rows, scale_lengths
 from shared.config import data_dir, parse_size
 from shared.messages import Event
 from shared.plans import read_plan_file

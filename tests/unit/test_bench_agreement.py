@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from services.bench.agreement import agreement, mean_logprob
-from services.bench.client import RequestRecord, read_chunk, request_body
-from services.bench.trace import TraceRequest
+from services.tools.bench.agreement import agreement, mean_logprob
+from services.tools.bench.client import RequestRecord, read_chunk, request_body
+from services.tools.bench.trace import TraceRequest
 from services.gateway.openai_api import ChunkBuilder, CompletionRequest, parse_request
 from shared.messages import LogprobEntry
 

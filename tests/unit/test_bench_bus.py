@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from services.bench import bus_scale
-from services.bench.bus_load import BASE_KV_PAGES, DEPTH, SLOT_PAGES, SyntheticExecutor, executor_names, shares
-from services.bench.bus_scale import (Snapshot, StateSample, Watch, counter_rate, cpu_percent, seconds_per_count,
+from services.tools.bench import bus_scale
+from services.tools.bench.bus_load import BASE_KV_PAGES, DEPTH, SLOT_PAGES, SyntheticExecutor, executor_names, shares
+from services.tools.bench.bus_scale import (Snapshot, StateSample, Watch, counter_rate, cpu_percent, seconds_per_count,
                                       summarize)
 from shared.bus import decode, encode
 from shared.messages import (Command, DrainArgs, ExecutorTelemetry, PingArgs, QuantizeArgs, RestoreArgs)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.bench.capacity import CapacityError, Probe, crossing, search, steady_load
-from services.bench.trace import TraceRow, scale_lengths
+from services.tools.bench.capacity import CapacityError, Probe, crossing, search, steady_load
+from services.tools.bench.trace import TraceRow, scale_lengths
 
 SLO = 2.0
 

@@ -3,7 +3,7 @@ set against float32 in the same run, written as JSON and a plot (its speeds are 
 
 import json
 
-from services.executor.tools import bench_cpu_kernels as cpu_kernels
+from services.tools.microbench import cpu_kernels
 
 
 def test_every_candidate_runs_the_models_linears_and_is_set_against_float32(tmp_path, capsys):

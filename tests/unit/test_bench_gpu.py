@@ -1,4 +1,4 @@
-"""The device benchmark (`bench-engine --device/--shape`, bench_gpu.py) on CPU, and the shapes it writes.
+"""The device benchmark (`bench-engine --device/--shape`, gpu.py) on CPU, and the shapes it writes.
 
 The benchmark's report is read by people comparing against targets, so the test checks what they read:
 step times, the transformers comparison, a roofline fraction that can be believed, the kernels marked as
@@ -13,9 +13,9 @@ import torch
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.tokenizer import Tokenizer
-from services.executor.tools import shapes
-from services.executor.tools.bench_engine import main as bench_engine
-from services.executor.tools.bench_gpu import RESULT_FILE
+from services.tools import shapes
+from services.tools.microbench.engine import main as bench_engine
+from services.tools.microbench.gpu import RESULT_FILE
 from shared.config import EngineConfig
 from tests.reference.test_engine_vs_hf import NEW_TOKENS, greedy_check
 
@@ -103,8 +103,8 @@ def test_an_interrupted_write_is_redone_and_a_complete_one_kept(tmp_path):
 
 def test_the_eager_comparison_sets_the_graphs_aside_and_puts_them_back(tmp_path):
     from services.executor.engine.graphs import DecodeGraphs
-    from services.executor.tools.bench_gpu import run_eager
-    from services.executor.tools.bench_timing import Clock
+    from services.tools.microbench.gpu import run_eager
+    from services.tools.microbench.timing import Clock
 
     path = shapes.ensure_checkpoint("tiny", "float32", tmp_path, progress=False)
     engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128, memory_budget=8 << 20), progress=False)

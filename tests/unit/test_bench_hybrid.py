@@ -1,8 +1,8 @@
 """bench-hybrid's workload and summary: long requests at fixed times among Poisson short ones, the same for
 every strategy; TTFTs of short and long requests apart; merged instances counted from the cluster samples."""
 
-from services.bench.client import ClusterSample, RequestRecord
-from services.bench.hybrid import hybrid_requests, merged_instances, parse_args, summary
+from services.tools.bench.client import ClusterSample, RequestRecord
+from services.tools.bench.hybrid import hybrid_requests, merged_instances, parse_args, summary
 
 
 def test_the_workload_is_short_requests_at_a_steady_rate_and_a_long_one_every_so_often():

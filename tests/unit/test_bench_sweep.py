@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.bench.regimes import REGIMES, RegimeError, apply_regime, arena_for, weight_bytes
-from services.bench.sweep import SWEEP_FACTOR, nearest, quality_at_capacity, sweep, token_shares
-from services.bench.trace import TraceError, TraceRow
-from services.bench.windows import Window, gamma_arrivals, requests_in
+from services.tools.bench.regimes import REGIMES, RegimeError, apply_regime, arena_for, weight_bytes
+from services.tools.bench.sweep import SWEEP_FACTOR, nearest, quality_at_capacity, sweep, token_shares
+from services.tools.bench.trace import TraceError, TraceRow
+from services.tools.bench.windows import Window, gamma_arrivals, requests_in
 
 SLO = 2.0
 

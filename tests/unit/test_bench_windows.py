@@ -6,8 +6,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from services.bench.trace import TraceError, TraceRow, read_rows
-from services.bench.windows import Window, median_rate, pick_windows, rate_scale_for, requests_in
+from services.tools.bench.trace import TraceError, TraceRow, read_rows
+from services.tools.bench.windows import Window, median_rate, pick_windows, rate_scale_for, requests_in
 from shared.config import data_dir
 
 REAL_TRACE = data_dir() / "traces" / "AzureLLMInferenceTrace_conv.first30min.csv"

@@ -1,15 +1,13 @@
-"""Services meet only on the bus and in shared/: no service imports another service's code.
+"""Services meet only on the bus and in shared/: no service imports another service's code, nothing imports a tool,
+and no module imports itself around a circle.
 
-Each package under services/ is one process (gateway, executor, monitor, controller) or one tool
-(bench); what two of them need lives in shared/ (messages, the command sender, sampling options,
-configuration) or kernels/. A direct import across that line is how a gateway ends up loading torch,
-or a controller pulling in nats to run a pure policy; this test names the offending import instead.
-The entry points beside the packages (cli.py, up.py, admin_cli.py, events_cli.py) start processes by
-command line, never by import, and are held to the same rule.
-
-The simulator is the one exception, by design: it runs the other services' own pure code (the router, the
-monitor's aggregation, the controller's policies, the engine's scheduler and ledger) on simulated executors,
-so it imports exactly the modules SIMULATED_PARTS names, and a module added there is a decision to review.
+Each package under services/ is one process (gateway, executor, monitor, controller) or the tools (benchmarks,
+profilers, the planner's CLI, the simulator); what two processes need lives in shared/ (messages, the command
+sender, sampling options, configuration) or kernels/. A direct import across that line is how a gateway ends up
+loading torch, or a controller pulling in nats to run a pure policy; this test names the offending import instead.
+Tools may import any of it (the simulator runs the services' own pure code on simulated executors), but nothing
+serving imports a tool, so a benchmark never loads into a serving process. The entry points beside the packages
+(cli.py, up.py, admin_cli.py, events_cli.py) start processes and tools by command line, never by import.
 """
 
 import ast
@@ -21,24 +19,7 @@ from shared.config import PROJECT_ROOT
 
 SERVICES = PROJECT_ROOT / "services"
 PACKAGES = sorted(p.name for p in SERVICES.iterdir() if (p / "__init__.py").exists())
-SIMULATED_PARTS = {
-    "services.gateway.router", "services.monitor.aggregate", "services.monitor.held", "services.monitor.pace",
-    "services.controller.dispatch", "services.controller.loop",
-    "services.controller.policies", "services.controller.policies.interface", "services.controller.policies.ladder",
-    "services.executor.engine.errors", "services.executor.engine.memory.block_manager",
-    "services.executor.engine.memory.ledger", "services.executor.engine.scheduling.growth",
-    "services.executor.engine.scheduling.scheduler", "services.executor.engine.scheduling.sequence",
-    "services.executor.engine.scheduling.phases",  # a step as a latency profile reads it, counted as the engine does
-    "services.executor.latency", "services.executor.admission", "services.executor.engine.morphing.slots",
-    # instances of several executors: which replica computes which rows, the AMOEBAs merges the gateway decides,
-    # the heads and FFN pieces a TP member holds
-    "services.executor.fabric.replicas", "services.gateway.tp_merges", "services.executor.fabric.shards",
-    # the body of GET /v1/cluster, which the bench's rest rule reads
-    "services.gateway.admin", "services.bench.rest",
-    # the bench's experiment, rules and report, so that a simulation is measured and written as a run is
-    "services.bench.capacity", "services.bench.client", "services.bench.events", "services.bench.metrics",
-    "services.bench.modes", "services.bench.plots", "services.bench.quality", "services.bench.report",
-    "services.bench.sweep", "services.bench.trace", "services.bench.windows"}
+TOOLS = "tools"
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -58,7 +39,7 @@ def crossings(path: Path, services: Path = SERVICES) -> list[str]:
     bad = []
     for line, module in imported_modules(path):
         target = module.split(".")
-        if mine == "simulator" and module in SIMULATED_PARTS:
+        if mine == TOOLS:
             continue
         if target[0] == "services" and len(target) > 1 and target[1] in PACKAGES and target[1] != mine:
             bad.append(f"{path.relative_to(services.parent)}:{line} imports {module}")
@@ -66,7 +47,7 @@ def crossings(path: Path, services: Path = SERVICES) -> list[str]:
 
 
 def test_the_service_packages_are_found():
-    assert {"gateway", "executor", "monitor", "controller", "bench", "simulator"} <= set(PACKAGES)
+    assert {"gateway", "executor", "monitor", "controller", TOOLS} <= set(PACKAGES)
 
 
 @pytest.mark.parametrize("package", [*PACKAGES, "(entry points)"])
@@ -99,3 +80,73 @@ def test_the_crossing_detector_sees_function_level_imports(tmp_path):
     sneaky.write_text("import services.gateway.app\n\ndef f():\n    from services.executor.engine import engine\n")
     assert crossings(sneaky, tmp_path / "services") == ["services/gateway/sneaky.py:4 imports "
                                                         "services.executor.engine"]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules the file imports when it runs: `from package import module` names the module, and
+    what sits under `if TYPE_CHECKING:` (annotations only) is left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & known
+
+
+def import_circles(root: Path, folders: tuple[str, ...] = ("services", "shared", "kernels")) -> list[list[str]]:
+    """Every set of modules that import one another around a circle (Tarjan's strongly connected components)."""
+    files = {module_name(f, root): f for folder in folders for f in sorted((root / folder).rglob("*.py"))}
+    graph = {m: runtime_imports(f, set(files)) - {m} for m, f in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_module_imports_itself_around_a_circle():
+    assert import_circles(PROJECT_ROOT) == []
+
+
+def test_the_circle_finder_sees_a_function_level_circle_and_not_an_annotation(tmp_path):
+    package = tmp_path / "services" / "x"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from services.x import b\n")
+    (package / "b.py").write_text("def f():\n    from services.x.c import g\n")
+    (package / "c.py").write_text("import services.x.a\n")
+    (package / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.x import e\n")
+    (package / "e.py").write_text("from services.x import d\n")
+    assert import_circles(tmp_path, ("services",)) == [["services.x.a", "services.x.b", "services.x.c"]]

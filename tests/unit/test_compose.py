@@ -208,19 +208,27 @@ def test_nats_permissions_are_enforced(secured_nats):
         await gateway.publish("morphling.telemetry.exec0", b"forged by gateway")
         await gateway.flush()
         await asyncio.sleep(0.3)
+        refusals: list[BaseException] = []
+
+        async def record(exc):
+            refusals.append(exc)
+
         try:
-            await nats.connect(f"nats://gateway:wrong@127.0.0.1:{port}", error_cb=quiet,
+            await nats.connect(f"nats://gateway:wrong@127.0.0.1:{port}", error_cb=record,
                                allow_reconnect=False, connect_timeout=2)
             wrong_password_accepted = True
-        except Exception:
+        except Exception as exc:  # what connect raises varies; the server's own word is checked below
+            refusals.append(exc)
             wrong_password_accepted = False
         for nc in (monitor, executor, gateway):
             await nc.close()
-        return got, wrong_password_accepted, max_payload
+        return got, wrong_password_accepted, refusals, max_payload
 
-    got, wrong_password_accepted, max_payload = asyncio.run(scenario())
+    got, wrong_password_accepted, refusals, max_payload = asyncio.run(scenario())
     assert got and set(got) == {b"from executor"}
+    # refused by the server for the password, not for anything else that can fail a connect
     assert not wrong_password_accepted
+    assert any("authorization" in f"{type(e).__name__} {e}".lower() for e in refusals), refusals
     assert max_payload == BUS_MAX_PAYLOAD_BYTES  # the monitor's state of ~1,180 executors and more fits
 
 

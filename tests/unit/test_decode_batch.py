@@ -1,4 +1,4 @@
-"""A decode batch (services/simulator/decode_batch.py) against the scheduler's own steps on the same state, step
+"""A decode batch (services/tools/simulator/decode_batch.py) against the scheduler's own steps on the same state, step
 after step: the same chunks, the same pages to the id, the same queue, counters and finished sequences; each
 sequence's tokens, once written, those single steps gave it; and where it declines, nothing changed and the
 scheduler's step is one it does not make (a preemption, a prefill, a batch over budget)."""
@@ -13,8 +13,8 @@ from services.executor.engine.memory.block_manager import BlockManager
 from services.executor.engine.memory.ledger import PageLedger
 from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.engine.scheduling.sequence import Sequence, Status
-from services.simulator.costs import phases
-from services.simulator.decode_batch import DecodeBatch
+from services.tools.simulator.costs import phases
+from services.tools.simulator.decode_batch import DecodeBatch
 from shared.sampling import SamplingOptions
 
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""Decode runs (services/simulator/decode_run.py) against single steps: a simulation that advances decode-only
+"""Decode runs (services/tools/simulator/decode_run.py) against single steps: a simulation that advances decode-only
 batches many steps at once must end exactly where one that schedules every step alone ends, every time, page
 and float. The fleet's decode step grows with the batch and the context, so that every step of a run has its
 own length; its KV is small, so that batches run out of pages and preempt; two executors pair as a CoCoServe
@@ -12,15 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.trace import TraceRequest
+from services.tools.bench.trace import TraceRequest
 from services.executor.engine.scheduling.growth import pages_growth
 from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.executor.engine.scheduling.sequence import Sequence
-from services.simulator import costs, decode_run
-from services.simulator.cluster import SimSettings, Simulation
-from services.simulator.executor import SimExecutor, SimRequest
-from services.simulator.fleet import read_fleet
-from services.simulator.instance import _parts
+from services.tools.simulator import costs, decode_run
+from services.tools.simulator.cluster import SimSettings, Simulation
+from services.tools.simulator.executor import SimExecutor, SimRequest
+from services.tools.simulator.fleet import read_fleet
+from services.tools.simulator.instance import _parts
 from shared.config import ControllerConfig
 from shared.messages import EvictArgs, ReplicateArgs
 from shared.planner.devices import DEVICES

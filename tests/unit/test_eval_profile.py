@@ -12,15 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.tools import evaluate as evaluation, profile as profiling
-from services.executor.tools.evaluate import (
-    DEFAULT_CORPUS, DEFAULT_PROFILE, PROJECTIONS, SimulatedQuantization, evaluate, load_tokens, markdown_table,
-    perplexity, table,
-)
 from services.executor.engine.model.decoder import ForwardBatch, PrefillChunk, rms_norm
-from services.executor.tools.profile import (
-    MDS_STRIDE, WEIGHTS, MissingCorpusError, decoder_layer, fingerprint, profile, swap_order_for,
+from services.executor.engine.morphing import importance as profiling
+from services.executor.engine.morphing.importance import (
+    DEFAULT_PROFILE, MDS_STRIDE, WEIGHTS, MissingCorpusError, decoder_layer, fingerprint, load_tokens, profile,
+    swap_order_for,
 )
+from services.executor.engine.morphing.simulated import PROJECTIONS, SimulatedQuantization
+from services.executor.engine.morphing.variants import DEFAULT_CORPUS
+from services.tools import evaluate as evaluation
+from services.tools.evaluate import evaluate, markdown_table, perplexity, table
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama3, write_tiny_qwen2
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.tools import profile as profiling
-from services.executor.tools.evaluate import DEFAULT_CORPUS
-from services.executor.tools.indicator import (
+from services.executor.engine.morphing.importance import decoder_layer
+from services.executor.engine.morphing.variants import DEFAULT_CORPUS
+from services.tools.profile import lis as profiling
+from services.tools.profile.indicator import (
     KIND, IndicatorError, layer_with_inputs, load_omega, omega, operator_terms,
 )
-from services.executor.tools.profile import decoder_layer
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama_8kv
 

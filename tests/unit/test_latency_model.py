@@ -14,7 +14,7 @@ from shared.planner.latency import (
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.graphs import DecodeGraphs
 from services.executor.engine.morphing import variants
-from services.executor.tools import profile_latency
+from services.tools.profile import latency as profile_latency
 from shared.config import EngineConfig
 from tests.checkpoints import write_tiny_llama_8kv
 

@@ -8,7 +8,7 @@ import time
 
 import msgpack
 
-from services.bench.bus_load import SyntheticExecutor
+from services.tools.bench.bus_load import SyntheticExecutor
 from services.monitor.service import MonitorService, state_body
 from shared.bus import NoResponders, decode, unpack, encode
 from shared.config import MonitorConfig

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shared.planner import heuristic, ilp
 from shared.planner.devices import DEVICES, ClusterError, parse_devices, read_cluster, table_name
 from shared.planner.memory import PaperMemory, Workload, weight_bytes
-from services.executor.tools.plan import main as plan_main
+from services.tools.plan.run import main as plan_main
 from shared.planner.problem import Costs, Problem, evaluate
 from shared.planner.roofline import RooflineLatency
 from shared.planner.search import Request, het, search, uniform

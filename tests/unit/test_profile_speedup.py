@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.tools.profile_speedup import Line, fit_line
+from services.tools.profile.speedup import Line, fit_line
 from tests.checkpoints import write_tiny_llama3
 
 ROOT = Path(__file__).resolve().parents[2]

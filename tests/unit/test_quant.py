@@ -10,9 +10,12 @@ from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 def test_int8_error_is_within_half_a_step_per_channel(shape):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     q = quantize_int8(w)
-    assert q.qweight.dtype == torch.int8 and q.scale.shape == (shape[0],)
+    # the step is the format's, computed here: a channel's absolute maximum over the 127 codes each side of zero
+    step = w.abs().amax(dim=1) / 127
+    assert q.qweight.dtype == torch.int8 and torch.allclose(q.scale, step, rtol=1e-6)
     err = (q.dequantize() - w).abs()
-    assert (err <= q.scale[:, None] / 2 + 1e-6).all()
+    assert (err <= step[:, None] / 2 + 1e-6).all()
+    assert (q.qweight.abs().amax(dim=1) == 127).all()  # every channel's extreme takes the extreme code
 
 
 @pytest.mark.parametrize("group", [128, 32])
@@ -23,10 +26,12 @@ def test_int4_packs_two_codes_a_byte_and_reconstructs_within_half_a_step(group):
     assert q.scale.shape == q.zero.shape == (48, 256 // group)
     codes = q.unpack()
     assert codes.max() <= 15 and codes.shape == (48, 256)
-    err = (q.dequantize() - w).abs().view(48, 256 // group, group)
-    assert (err <= q.scale[..., None] / 2 + 1e-6).all()
-    # both ends of every group are representable, so its extremes come back almost exactly
     g = w.view(48, -1, group)
+    step = (g.amax(-1) - g.amin(-1)) / 15  # a group's range over its 16 codes, computed here
+    assert torch.allclose(q.scale, step, rtol=1e-6)
+    err = (q.dequantize() - w).abs().view(48, 256 // group, group)
+    assert (err <= step[..., None] / 2 + 1e-6).all()
+    # both ends of every group are representable, so its extremes come back almost exactly
     back = q.dequantize().view(48, -1, group)
     assert torch.allclose(back.amin(-1), g.amin(-1), atol=1e-5) and torch.allclose(back.amax(-1), g.amax(-1), atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""A window played by shards, one process per model (services/simulator/shards.py), against the same window in one
+"""A window played by shards, one process per model (services/tools/simulator/shards.py), against the same window in one
 process: a host of eight H100s serving Llama-3-70B in two TP4 instances beside a host of eight serving Llama-3-8B,
 their memory cut so that a burst of long prompts presses both and the controller acts on both."""
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.trace import TraceRequest
-from services.simulator import run as simulate_cli
-from services.simulator.cluster import SimSettings, Simulation
-from services.simulator.fleet import FleetError, read_fleet
-from services.simulator.shards import deal, play_sharded
+from services.tools.bench.trace import TraceRequest
+from services.tools.simulator import run as simulate_cli
+from services.tools.simulator.cluster import SimSettings, Simulation
+from services.tools.simulator.fleet import FleetError, read_fleet
+from services.tools.simulator.shards import deal, play_sharded
 from shared.config import ControllerConfig, MonitorConfig
 
 FLEET = {"executors": [{"device": "H100-80GB", "count": 8, "model": "llama-3-70b", "tp": 4, "memory": "40GiB"},

@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.client import ClusterSample
-from services.bench.metrics import percentile, timeline
-from services.bench.trace import TraceRequest
+from services.tools.bench.client import ClusterSample
+from services.tools.bench.metrics import percentile, timeline
+from services.tools.bench.trace import TraceRequest
 from services.controller.dispatch import sendable
 from services.controller.policies import morph
 from services.controller.policies.interface import PlannedCommand
 from services.executor.engine.errors import QueueFullError
-from services.simulator import executor as simulated_executor
-from services.simulator import run as simulate_cli
-from services.simulator import tp
+from services.tools.simulator import executor as simulated_executor
+from services.tools.simulator import run as simulate_cli
+from services.tools.simulator import tp
 from services.monitor.aggregate import ClusterView
-from services.simulator.cluster import SimSettings, Simulation, traffic_turns
-from services.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
-from services.simulator.fidelity import compare
-from services.simulator.fleet import FleetError, read_fleet
+from services.tools.simulator.cluster import SimSettings, Simulation, traffic_turns
+from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
+from services.tools.simulator.fidelity import compare
+from services.tools.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
 from shared.messages import (BatchArgs, EvictArgs, ExecutorTelemetry, QuantizeArgs, ReplicateArgs, RestoreArgs,
                              TpMergeArgs)

@@ -3,7 +3,7 @@
 The executor counts its steps' phases (`StepsLoad`) so that its telemetry can say what its latency profile
 predicts a decoder layer takes at each width over its recent steps (`ExecutorTelemetry.layer_seconds`): the
 morph rung reads it before it quantizes for a queue (services/controller/policies/morph.py). The simulator
-times its steps from the same phases (services/simulator/costs.py).
+times its steps from the same phases (services/tools/simulator/costs.py).
 """
 
 from collections import deque

@@ -1,0 +1,653 @@
+"""One simulated executor: the engine's own scheduler, block manager and page ledger, with the forward pass
+replaced by the cost model's seconds.
+
+What is real here is what decides who waits: the continuous-batching rules (engine/scheduling/scheduler.py),
+the block tables and copy-on-write (engine/memory/block_manager.py) and the arena's ledger
+(engine/memory/ledger.py), imported, not copied. The arena is laid out as the engine lays it out: a page is
+one KV block for every layer, each decoder layer owns a slot of pages sized for full precision at the low end,
+and quantizing a layer releases its slot's tail as KV pages, restoring moves live KV out and takes it back
+(engine/morphing/swapper.py). What is modelled is time: a step takes what costs.step_seconds says, a swap
+what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
+max_tokens, as the bench asks with ignore_eos). A batch that only decodes runs many steps as one (decode_run.py):
+`settle` brings it to whatever reads the executor, `cut` ends it where the next step would schedule otherwise.
+A batch of decodes that admits waiting sequences beside them is stepped without touching each sequence each step
+(decode_batch.py): `release_batch` writes its tokens before anything else reads or changes the sequences.
+
+Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
+that the monitor and the controller read a simulated executor exactly as a real one, with what the service
+reports of instances: the plan it serves in, the batch cap, a slot's pages, the pages a replica may take, its
+world with its KV head units at each TP degree it could merge into, and a merge's hold.
+
+In an instance of several executors (instance.py: CoCoServe's placements and replicas; tp.py: an AMOEBAs
+merge) the leader's scheduler is the instance's, whose block ids every member backs with pages of its arena;
+`hold` and `map_blocks` keep this arena's slots and backing pages as the fabric's member keeps them.
+"""
+
+import functools
+import math
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from services.executor.admission import Departures, admits, queue_wait_s, waiting_ahead
+from services.executor.engine.errors import KvCapacityError, OutOfPagesError, QueueFullError
+from services.executor.engine.memory.block_manager import BlockManager
+from services.executor.engine.memory.ledger import PageLedger
+from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
+from services.executor.engine.scheduling.growth import pages_growth
+from services.executor.engine.scheduling.phases import LatencyReports, StepsLoad
+from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from services.executor.engine.scheduling.sequence import Sequence
+from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
+from services.tools.simulator import costs, decode_run
+from services.tools.simulator.decode_batch import DecodeBatch
+from services.tools.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
+from services.tools.simulator.instance import SimulatedRefusal, swap
+from services.tools.simulator.member import MemberArena
+from services.tools.simulator.tokens import CountedTokens
+from shared.config import ExecutorConfig
+from shared.messages import (
+    BatchArgs,
+    CommandArgs,
+    EvictArgs,
+    ExecutorTelemetry,
+    InstancePlan,
+    KvPages,
+    KvUnits,
+    MigrateArgs,
+    QuantizeArgs,
+    ReplicateArgs,
+    RestoreArgs,
+    TpSplitArgs,
+    pressure_events,
+)
+from shared.planner.memory import FULL_BITS, weight_bytes
+from shared.planner.shapes import ModelShape
+from shared.plans import alone, alone_id
+from shared.sampling import SamplingOptions
+
+LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
+__all__ = ["FollowerRefusal", "SimExecutor", "SimRequest", "SimulatedRefusal"]
+
+
+class FollowerRefusal(Exception):
+    """A request reached a member of an instance that is not its leader (routed on a state older than the
+    instance): refused, as follower.py refuses it; the gateway tries the next executor."""
+
+
+M = TypeVar("M", bound=BaseModel)
+_TEMPLATES: dict[type, dict] = {}  # a message's fields in order at their plain defaults (None where it has none)
+
+
+@functools.cache
+def sampling(max_tokens: int) -> SamplingOptions:
+    """A simulated request's sampling: `max_tokens` of them whatever comes. One per length, shared by the
+    sequences, which only read it: validating one per arrival was a percent of a saturated fleet's time."""
+    return SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+
+
+def unvalidated(message: type[M], **fields) -> M:
+    """`message` of `fields`, every one of the type it declares, as validation would have made it but without
+    it: a thousand executors build 5,000 reports a simulated second, and validating one (11 us) was a fifth of
+    building it. Every field without a plain default (required, or a factory's fresh list) must be given; the
+    simulator's tests hold its reports equal to validated ones, field by field and type by type."""
+    if (template := _TEMPLATES.get(message)) is None:
+        template = _TEMPLATES[message] = {
+            name: None if f.is_required() or f.default_factory is not None else f.default
+            for name, f in message.model_fields.items()}
+    built = object.__new__(message)
+    values = template.copy()
+    values.update(fields)  # keys kept in the declared order, as validation leaves them
+    object.__setattr__(built, "__dict__", values)
+    object.__setattr__(built, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(built, "__pydantic_extra__", None)
+    object.__setattr__(built, "__pydantic_private__", None)
+    return built
+
+
+@dataclass
+class SimRequest:
+    """One request's life as the client would see it (times in simulated seconds)."""
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    model: str = DEFAULT_MODEL  # the model it asks for (a fleet of several: its traffic's turn, cluster.py)
+    executor: str | None = None
+    admitted_s: float | None = None
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    tokens: int = 0
+    done_s: float | None = None
+    error: str | None = None
+    token_bits: dict[tuple[int, int], int] = field(default_factory=dict)  # (INT8, INT4 layers) -> tokens
+
+
+class SimExecutor(MemberArena):
+    def __init__(self, spec: ExecutorSpec, fleet: Fleet, static_bits: int = FULL_BITS, started_s: float = 0.0,
+                 in_world: bool = False, decode_runs: bool = True, arenas: dict | None = None,
+                 layout: ModelShape | None = None, starts_in_instance: bool = False):
+        """`in_world`: one of several executors, which need hold only one block alone (process.py: a TP merge
+        holds the longest sequence). `decode_runs`: advance decode-only batches many steps at once
+        (decode_run.py), and step a batch of decodes with its admissions as a batch (decode_batch.py); without,
+        the scheduler schedules every step (the same results, slower). `arenas`: empty
+        arenas laid out before, shared by a fleet's executors (`_lay_out`). `layout`: the layers its arena
+        holds, a TP member's shard of them (tp.member_shape); the model's by default. `starts_in_instance`: a
+        member of an instance `up --tp` starts, whose arena is the one laid out alike in `arenas` itself until
+        the instance gives it its own (tp.started, MemberArena.back_first_blocks)."""
+        self.spec, self.id, self.shape = spec, spec.id, spec.shape
+        self.limits, self.max_model_len = fleet.engine, fleet.max_model_len(spec.shape)
+        block, self.layout = self.limits.block_size, layout or self.shape
+        self.page_bytes = 2 * self.layout.num_layers * self.layout.kv_size * spec.dtype_bytes * block
+        self.slot_pages = {bits: math.ceil(weight_bytes(self.layout, bits, spec.dtype_bytes) / self.page_bytes)
+                           for bits in (FULL_BITS, 8, 4)}
+        num_pages = spec.memory // self.page_bytes
+        need = self.shape.num_layers * self.slot_pages[FULL_BITS] + (
+            1 if in_world else self.sequence_blocks())
+        if num_pages < need:
+            raise ValueError(f"{self.id}: {spec.memory / (1 << 30):.2f} GiB holds {num_pages} pages of "
+                             f"{self.page_bytes} bytes; the layers and " + ("one block" if in_world else
+                             f"one sequence of {self.max_model_len} tokens") + f" need {need}")
+        arenas = {} if arenas is None else arenas
+        self.laid_out_as = self._lay_out(num_pages, static_bits, arenas)
+        self.take_arena(arenas[self.laid_out_as] if starts_in_instance else arenas[self.laid_out_as].copy())
+        self.layer_bits = [static_bits] * self.shape.num_layers
+        self.swap_order = list(range(self.shape.num_layers))
+        self.instance = f"{self.id}@{started_s:g}"  # a process: a restart would be a new one
+        self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
+        self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
+        self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
+        self.refusing: tuple | None = None  # the queue, batch and departures it last refused a wait on (admit)
+        self.max_queue_wait_s = ExecutorConfig.max_queue_wait_s
+        self.requests: dict[str, SimRequest] = {}  # those running or waiting: the scheduler's sequences, by id
+        self.longest: int | None = 0  # the most tokens one of `requests` ends with; None: to count again
+        self.cancelled: set[str] = set()  # given up by their clients during the step running
+        self.rejected = 0
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0}
+        self.stepping: SchedulerOutput | None = None
+        self.decoding: list[Sequence] = []  # a run's last step's decodes, outside `stepping`'s chunks
+        self.batch: DecodeBatch | None = None  # its running sequences stepped as a batch (decode_batch.py)
+        self.batched = False  # whether the step running is the batch's
+        self.batch_mix = (0, 0)  # the (INT8, INT4) layers the batch's tokens came from: commands release it first
+        self.decode_runs = decode_runs
+        self.run: decode_run.DecodeRun | None = None  # steps ahead of a decode-only batch, settled lazily
+        self.step_serial = 0  # which step or run the cluster's next step end is for: a cut moves it on
+        self.step_started_s = 0.0
+        self.held = set(range(self.shape.num_layers))  # layers whose slot holds their weights
+        self.world: list[str] = []  # the executors it can merge with (`up` puts several in one world)
+        self.plan: InstancePlan | None = None  # None: outside any world, as the service reports it
+        self.group = None  # the instance of several executors it serves in (instance.py, tp.py)
+        self.mapped = array("i")  # in an instance: the pages of ours backing its blocks, by block id
+        self.hold_until = 0.0  # a merged instance's leader: no split before
+        self.units: list[KvUnits] = []  # the KV head units it last reported serving alone
+        self.units_key: tuple | None = None  # what they were computed from
+        # Where it reports its latency profile (`reports_latency`): its steps' phases, counted as the engine counts
+        # them, what it reports of them, and a decode run's batch and first step's contexts.
+        self.steps_load = StepsLoad()
+        self.latency_reports = (LatencyReports(spec.latency, FULL_BITS, LATENCY_WINDOW_S) if spec.reports_latency
+                                else None)
+        self.run_began: tuple[int, int] = (0, 0)
+
+    def _lay_out(self, num_pages: int, bits: int, arenas: dict) -> tuple:
+        """The key in `arenas` of an empty arena of `num_pages` with every layer's slot at `bits`, as set_bits
+        leaves one started at full precision, laid out there first (laying out a thousand alike was half of a
+        simulated fleet's set-up: the others copy it)."""
+        layout = (num_pages, self.shape.num_layers, self.slot_pages[FULL_BITS], self.slot_pages[bits])
+        if layout not in arenas:
+            ledger = PageLedger(num_pages)
+            for layer in range(self.shape.num_layers):
+                ledger.assign_slot(layer, self._slot(layer))
+            for layer in range(self.shape.num_layers):
+                _, release = slot_moves(self._slot(layer), self.slot_pages[FULL_BITS], self.slot_pages[bits])
+                ledger.release_slot_pages(layer, release)
+            arenas[layout] = ledger
+        return layout
+
+    def take_arena(self, ledger: PageLedger) -> None:
+        """The arena `ledger` its own, with the block manager and scheduler it serves alone with (a member's stay
+        with it through its instance, for a split)."""
+        self.ledger = ledger
+        self.blocks = BlockManager(ledger, self.limits.block_size)
+        self.scheduler = Scheduler(self.blocks, self.limits.max_num_seqs, self.limits.max_num_batched_tokens,
+                                   self.limits.max_waiting)
+
+    def join_world(self, names: list[str], bits: int) -> None:
+        """One of the executors `names`, which can merge with each other, serving alone at `bits` as its own
+        TP1 instance (as `up` starts them)."""
+        self.world, self.plan = names, alone(self.id, self.shape.num_layers, bits)
+
+    def pressure_events(self) -> int:
+        """What its next report's pressure_events will be (shared/messages.py)."""
+        return pressure_events(self.scheduler.num_preemptions, self.scheduler.num_admission_blocked, self.rejected)
+
+    # --- requests -------------------------------------------------------------------------------
+    def admit(self, request: SimRequest, now: float) -> None:
+        """Queue `request`; QueueFullError when the waiting queue is full or would hold it longer than
+        max_queue_wait_s (the executor's admission, executor/admission.py), FollowerRefusal on a member that
+        does not lead its instance: the gateway tries another."""
+        if self.group is not None and self.group.leader is not self:
+            raise FollowerRefusal(f"{self.id} follows {self.group.leader.id} in instance {self.group.plan.id}: "
+                                  f"requests go to the leader")
+        scheduler = self.scheduler
+        waiting, running = len(scheduler.waiting), len(scheduler.running)
+        queue = (waiting, running, scheduler.max_num_seqs, self.departures.recorded)
+        if self._refused_before(queue, now):
+            self.rejected += 1
+            raise QueueFullError(waiting, self.limits.max_waiting)
+        departures, span_s = self.departures.recent(now)
+        if not admits(waiting_ahead(waiting, running, scheduler.max_num_seqs), departures, span_s,
+                      self.max_queue_wait_s):
+            self.refusing = queue
+            self.rejected += 1
+            raise QueueFullError(waiting, self.limits.max_waiting)
+        blocks, capacity = self.blocks_at_end(request.prompt_tokens, request.output_tokens), self.kv_capacity()
+        if blocks > capacity:
+            raise KvCapacityError(request.prompt_tokens, request.prompt_tokens + request.output_tokens, blocks,
+                                  capacity)
+        if waiting >= scheduler.max_waiting:  # Scheduler.add's refusal, before a sequence is made for nothing
+            self.rejected += 1
+            raise QueueFullError(waiting, scheduler.max_waiting)
+        seq = Sequence(str(request.index), 0, CountedTokens(request.prompt_tokens),
+                       sampling(request.output_tokens), now, output_ids=CountedTokens())
+        scheduler.add(seq)
+        request.executor, request.admitted_s = self.id, now
+        self.requests[seq.request_id] = request
+        if self.longest is not None:
+            self.longest = max(self.longest, request.prompt_tokens + request.output_tokens)
+
+    def _refused_before(self, queue: tuple, now: float) -> bool:
+        """Whether admit() refused a wait on the same `queue` (its waiting, running, batch cap and departures so far)
+        and would again: with them unchanged the predicted wait only grows, until the last departure leaves the
+        window and the rate is unknown again (admission.py). Past its capacity a fleet's every arrival is offered to
+        every full executor in turn, two hundred refusals an arrival: predicted afresh, four fifths of the
+        overloaded trace's time."""
+        return queue == self.refusing and self.departures.any_within(now)
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step, a run of decode steps (decode_run.py) or a decode batch's step (decode_batch.py);
+        when it ends, or None when there is nothing to run."""
+        phases = None
+        if self.decode_runs and self.leads:
+            if self.batch is None:
+                rows = self.group.replica_rows() if self.group is not None else None
+                self.batch = DecodeBatch.of(self.scheduler, self.blocks, self.max_model_len, self._written, rows)
+                self.batch_mix = (self.layer_bits.count(8), self.layer_bits.count(4))
+            if self.batch is not None:
+                self.run = decode_run.plan_batch_run(self.batch, now, self._batch_timing)
+            else:
+                self.run = decode_run.plan_run(self.scheduler, self.blocks, self.max_model_len, now, self._run_timing)
+            if self.run is not None:
+                self.step_serial += 1
+                if self.spec.reports_latency:  # a run cut short counts the steps it planned (64 at most)
+                    batch, contexts, steps = *self.run_began, len(self.run.ends)
+                    self.steps_load.add(batch, contexts + batch * (steps - 1) // 2, [], steps)
+                self.settle(now)
+                return self.run.ends[-1]
+            if self.batch is not None and (planned := self.batch.step()) is not None:
+                phases, out = planned
+        self.batched = phases is not None
+        if not self.batched:
+            self.release_batch()
+            out = self.scheduler.schedule()
+            if not out.chunks:
+                return None
+        self.step_serial += 1
+        self.stepping, self.step_started_s = out, now
+        self.busy.begin(now)
+        return now + self._step_seconds(now, out, phases)
+
+    def release_batch(self) -> list[Sequence]:
+        """Write back every token the decode batch holds and drop it, before anything but its own steps reads or
+        changes its sequences: its members, in the batch's order."""
+        if self.batch is None:
+            return []
+        members, self.batch = self.batch.write_all(), None
+        return members
+
+    def _written(self, seq: Sequence, tokens: int, last_s: float) -> None:
+        """The decode batch wrote `tokens` of `seq`'s, the last at `last_s`: its request's record of them."""
+        request = self.requests[seq.request_id]
+        request.tokens += tokens
+        bits = request.token_bits
+        bits[self.batch_mix] = bits.get(self.batch_mix, 0) + tokens
+        request.last_token_s = last_s
+
+    def _step_seconds(self, now: float, out: SchedulerOutput, phases: tuple | None) -> float:
+        """The step `out` beginning `now`, or a decode batch's step of `phases` (costs.phases) with `out` its
+        admissions: its seconds, its instance's other members marked busy for their parts."""
+        if self.spec.reports_latency:
+            self.steps_load.add(*(costs.phases(out.chunks) if phases is None else phases))
+        if self.group is None:
+            return (costs.step_seconds(self.spec, self.layer_bits, out.chunks) if phases is None
+                    else costs.phased_step_seconds(self.spec, self.layer_bits, *phases))
+        seconds, parts = (self.group.step_seconds(out.chunks) if phases is None
+                          else self.group.batch_step_seconds(self.batch, phases, out.chunks))
+        self._members_busy([(now, parts)])
+        return seconds
+
+    def _members_busy(self, steps: Iterable[tuple[float, dict[str, float]]]) -> None:
+        """The other members of its instance compute their parts of `steps` (each its start and the parts): each
+        member's spans marked in one call."""
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for start, parts in steps:
+            for name, part in parts.items():
+                if name != self.id and part > 0:
+                    spans.setdefault(name, []).append((start, start + part))
+        members = self.group.members
+        for name, marked in spans.items():
+            members[name].busy.spans(marked)
+
+    def _run_timing(self, seqs: list[Sequence], base: list[int]):
+        """A decode run's steps: (seconds, each other member's computing seconds) by step (decode_run.plan_run)."""
+        if self.group is None:
+            return self._batch_timing(len(seqs), sum(base) + len(seqs))
+        self.run_began = (len(seqs), sum(base) + len(seqs))
+        return self.group.decode_timing(seqs, base)
+
+    def _batch_timing(self, batch: int, contexts: int):
+        """A decode batch's run (decode_run.plan_batch_run): `batch` decodes whose contexts summed `contexts` at its
+        first step."""
+        self.run_began = (batch, contexts)
+        if self.group is None:
+            seconds = costs.decode_step_seconds(self.spec, self.layer_bits, batch)
+            return lambda step: (seconds(int((contexts + batch * step) / batch)), {})
+        return self.group.batch_run_timing(self.batch, contexts)
+
+    def settle(self, now: float) -> None:
+        """Bring a decode run to `now`: the steps begun by then have their pages and busy span, those ended have
+        their tokens out, as single steps would have left them. Its last step is finish_step's."""
+        run = self.run
+        if run is None:
+            return
+        ended, began = run.finished, run.started
+        started = max(began, run.begun_by(now))
+        if run.batch is not None:
+            for step in range(began, started):
+                self._end_batch_steps(run, step)  # each step before it ended where it began
+                run.batch.open_blocks()
+        while run.reserved < len(run.pages) and run.pages[run.reserved][0] < started:
+            step, i = run.pages[run.reserved]
+            self.blocks.reserve(run.seqs[i], run.base[i] + step + 1)
+            run.reserved += 1
+        if self.group is not None:
+            self._members_busy((run.start_of(step), run.parts[step]) for step in range(began, started))
+        run.started = started
+        if began == 0 and run.started:
+            self.busy.begin(run.began)
+        run.finished = max(ended, run.started - 1)  # each step but the last begun ends where the next begins
+        self.busy.back_to_back(run.ends[ended:run.finished])
+        if (steps := run.finished - ended) == 0:
+            return
+        if run.batch is not None:
+            self._end_batch_steps(run, run.finished)
+            self.counts["generated_tokens"] += steps * len(run.batch.marks)
+            return
+        mix, tokens = (self.layer_bits.count(8), self.layer_bits.count(4)), [0] * steps
+        last = run.ends[run.finished - 1]
+        for seq in run.seqs:
+            seq.num_computed += steps
+            seq.output_ids += tokens
+            request = self.requests[seq.request_id]
+            request.tokens += steps
+            request.token_bits[mix] = request.token_bits.get(mix, 0) + steps
+            request.last_token_s = last
+        self.counts["generated_tokens"] += steps * len(run.seqs)
+
+    @staticmethod
+    def _end_batch_steps(run: decode_run.DecodeRun, upto: int) -> None:
+        """A decode batch's run: its steps before the `upto`-th ended. Nobody ends in one but the run's last, which
+        finish_step ends."""
+        batch = run.batch
+        while batch.tick < run.tick + upto:
+            if batch.end_step(run.ends[batch.tick - run.tick]):
+                raise RuntimeError(f"a decode batch's run ended a member at step {batch.tick - run.tick} of "
+                                   f"{len(run.ends)}: runs end at their first member's last token")
+
+    def cut(self, now: float) -> float | None:
+        """Something changed what the next step would schedule: a decode run ends with the step in flight at `now`.
+        When it now ends (its step_serial moved on), or None when nothing changed."""
+        if self.run is None:
+            return None
+        self.settle(now)
+        if not self.run.cut():
+            return None
+        self.step_serial += 1
+        return self.run.ends[-1]
+
+    def finish_step(self, now: float) -> list[SimRequest]:
+        """The step started by start_step ends at `now`: tokens out, finished requests freed and returned."""
+        if (run := self.run) is not None:  # every step but its last settled; that one ends below
+            self.settle(now)
+            self.run, self.stepping, self.decoding = None, SchedulerOutput(), run.seqs
+            self.step_started_s = run.start_of(len(run.ends) - 1)
+            self.batched = run.batch is not None
+        out, self.stepping, decoding, self.decoding = self.stepping, None, self.decoding, []
+        batch, self.batched = self.batch if self.batched else None, False
+        self.busy.end(now)
+        done = []
+        mix = (self.layer_bits.count(8), self.layer_bits.count(4))
+        if self.cancelled:
+            if batch is not None:  # a cancelled sequence takes no more tokens: this step's go one by one below
+                decoding, batch = self.release_batch(), None
+            out.chunks = [c for c in out.chunks if c.seq.request_id not in self.cancelled]
+            decoding = [seq for seq in decoding if seq.request_id not in self.cancelled]
+            self._drop_cancelled()
+        # At a thousand executors these loops run for every sequence of every step: counts are summed locally.
+        requests, started, max_model_len = self.requests, self.step_started_s, self.max_model_len
+        generated = len(decoding)
+        if batch is not None:
+            generated += len(batch.marks)
+            for seq in batch.end_step(now):
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+        for seq in decoding:  # a run's last step's decodes: what the loop below does to a decode's chunk
+            request = requests[seq.request_id]
+            seq.num_computed += 1
+            outputs = seq.output_ids
+            outputs.append(0)
+            request.tokens += 1
+            bits = request.token_bits
+            bits[mix] = bits.get(mix, 0) + 1
+            request.last_token_s = now
+            if len(outputs) >= seq.params.max_tokens or len(seq.prompt_ids) + len(outputs) >= max_model_len:
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+        prompt_tokens = 0
+        for chunk in out.chunks:
+            seq, start, length = chunk.seq, chunk.start, chunk.length
+            request = requests[seq.request_id]
+            seq.num_computed += length
+            prompt = len(seq.prompt_ids)
+            if start < prompt:
+                prompt_tokens += min(start + length, prompt) - start
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = request.first_scheduled_s = started
+                self.departures.record(now)
+                self.queue_delay.record(started - request.admitted_s, now)
+            outputs = seq.output_ids
+            if start + length != prompt + len(outputs):  # not the sequence's last token (ScheduledChunk.completes)
+                continue
+            outputs.append(0)
+            generated += 1
+            request.tokens += 1
+            bits = request.token_bits
+            bits[mix] = bits.get(mix, 0) + 1
+            if request.first_token_s is None:
+                request.first_token_s = now
+                self.ttft.record(now - request.admitted_s, now)
+            request.last_token_s = now
+            if len(outputs) >= seq.params.max_tokens or prompt + len(outputs) >= max_model_len:
+                self.scheduler.remove(seq)
+                done.append(self._finish(seq.request_id, now))
+            elif batch is not None:  # its prompt is in: it decodes with the batch from the next step
+                batch.join(seq)
+        if batch is not None and len(batch.marks) != len(self.scheduler.running):  # a prompt still going in
+            self.release_batch()
+        self.counts["prompt_tokens"] += prompt_tokens
+        self.counts["generated_tokens"] += generated
+        return done
+
+    def cancel(self, request_id: str) -> None:
+        """Its client gave up: the sequence leaves the scheduler at the step boundary (at once when no step
+        runs), its pages freed, and nothing more is recorded of it."""
+        self.cancelled.add(request_id)
+        if self.stepping is None and self.run is None:
+            self._drop_cancelled()
+        elif self.batch is not None:  # its tokens so far, recorded now as single steps would have them
+            self.batch.write_all()
+
+    def _drop_cancelled(self) -> None:
+        self.release_batch()
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in self.cancelled]:
+            self.scheduler.remove(seq)
+            self._forget(self.requests.pop(seq.request_id))
+            if self.group is not None:
+                self.group.forget(seq.request_id)
+        self.cancelled.clear()
+
+    def _finish(self, request_id: str, now: float, error: str | None = None) -> SimRequest:
+        request = self._forget(self.requests.pop(request_id))
+        if self.group is not None:
+            self.group.forget(request_id)
+        request.done_s, request.error = now, error
+        tpot = ((request.last_token_s - request.first_token_s) / (request.tokens - 1)
+                if request.tokens > 1 else None)
+        if tpot is not None:
+            self.tpot.record(tpot, now)
+        if request.first_token_s is not None:
+            self.finished.add(request.first_token_s - request.admitted_s, tpot or 0.0)
+        return request
+
+    def _pages_growth(self) -> int:
+        """pages_growth of the running sequences: a decode batch's members' as it counts them (between its steps
+        they are all that run; during one, those it admits follow them)."""
+        running = self.scheduler.running
+        if self.batch is None:
+            return pages_growth(running, self.blocks, self.max_model_len)
+        return self.batch.growth + pages_growth(running[len(self.batch.marks):], self.blocks, self.max_model_len)
+
+    def _forget(self, request: SimRequest) -> SimRequest:
+        """`request` has left: the longest may have been it."""
+        if request.prompt_tokens + request.output_tokens == self.longest:
+            self.longest = None
+        return request
+
+    # --- morphing ---------------------------------------------------------------------------------
+    def apply(self, args: CommandArgs) -> tuple[dict, float]:
+        """Apply a command between two steps: (the result's state, the seconds it took). Refuses with
+        SimulatedRefusal, changing nothing, as the executor would (services/executor/service.py)."""
+        self.release_batch()  # its tokens were of the layers' bits until now, and the sequences may move
+        if self.group is not None and self.group.plan.leader != self.id:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} is a member of instance {self.group.plan.id}, "
+                                   f"which morphs as a whole: send it to its leader {self.group.plan.leader}")
+        if isinstance(args, TpSplitArgs):
+            if self.group is None or not self.group.plan.merged or self.group.plan.id != args.instance:
+                raise SimulatedRefusal(f"tp_split refused: {self.id} leads no instance {args.instance!r} formed by "
+                                       f"tp_merge: it has nothing to split back into")
+            return self.group.split()
+        if isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
+            return self._instance_command(args)
+        if self.group is not None and isinstance(args, (QuantizeArgs, RestoreArgs)):
+            if self.group.plan.merged:
+                raise SimulatedRefusal(f"{args.kind} refused: instance {self.group.plan.id} is a TP merge, which "
+                                       f"serves at the bits its layers had when it formed: {args.kind} it after "
+                                       f"its split")
+            return swap(self.group, args)
+        if isinstance(args, QuantizeArgs):
+            layers = self._next_layers(args.layers, args.bits)
+            bits, kind = args.bits, "quantize"
+        elif isinstance(args, RestoreArgs):
+            layers = self._next_layers(args.layers, FULL_BITS)
+            bits, kind = FULL_BITS, "restore"
+        else:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} takes no {args.kind} here")
+        self.set_bits(layers, bits)
+        return ({"layers": list(self.layer_bits), "changed": layers},
+                len(layers) * costs.swap_seconds(self.spec, self.layout, kind, bits))
+
+    def _instance_command(self, args: ReplicateArgs | MigrateArgs | EvictArgs | BatchArgs) -> tuple[dict, float]:
+        instance = self.group.plan.id if self.group is not None else (self.plan.id if self.plan else alone_id(self.id))
+        if args.instance != instance:
+            raise SimulatedRefusal(f"{args.kind} refused: {self.id} leads instance {instance!r}, not {args.instance!r}")
+        if self.group is not None and self.group.plan.merged:
+            raise SimulatedRefusal(f"{args.kind} refused: instance {instance} is a TP merge, which serves at the bits "
+                                   f"its layers had when it formed: {args.kind} it after its split")
+        if isinstance(args, BatchArgs):
+            if not 1 <= args.max_num_seqs <= self.limits.max_num_seqs:
+                raise SimulatedRefusal(f"batch refused: max_num_seqs must be between 1 and {self.limits.max_num_seqs} "
+                                       f"(the engine's configured batch), got {args.max_num_seqs}")
+            before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, args.max_num_seqs
+            return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}, 0.0
+        if self.group is None:
+            raise SimulatedRefusal(f"{args.kind} refused: instance {instance} has one member: nowhere to move "
+                                   f"layers to")
+        return self.group.reshape(args)
+
+    def _next_layers(self, layers: int | list[int], bits: int) -> list[int]:
+        if isinstance(layers, list):
+            return layers
+        try:
+            return next_layers(self.swap_order, self.layer_bits, FULL_BITS, layers, bits)
+        except SwapRefused as exc:
+            raise SimulatedRefusal(str(exc)) from exc
+
+    def set_bits(self, layers: list[int], bits: int) -> None:
+        """As LayerSwapper.set_bits, without weights: take slot pages back (moving live KV out first), or release
+        them."""
+        moves = {i: slot_moves(self._slot(i), self.slot_pages[self.layer_bits[i]], self.slot_pages[bits])
+                 for i in layers}
+        pages = {p for reclaim, _ in moves.values() for p in reclaim}
+        if pages:
+            try:
+                self.scheduler.evacuate(pages)
+            except OutOfPagesError as exc:
+                raise SimulatedRefusal(f"restore refused: {exc.needed} live KV blocks need moving out of the "
+                                       f"layers' slots, but only {exc.free} free KV pages are elsewhere") from exc
+        for i in layers:
+            reclaim, release = moves[i]
+            if reclaim:
+                self.ledger.assign_slot(i, reclaim)
+            if release:
+                self.ledger.release_slot_pages(i, release)
+            self.layer_bits[i] = bits
+
+    def _slot(self, layer: int) -> range:
+        size = self.slot_pages[FULL_BITS]
+        return range(layer * size, (layer + 1) * size)
+
+    # --- telemetry --------------------------------------------------------------------------------
+    def telemetry(self, now: float) -> ExecutorTelemetry:
+        (self if self.group is None else self.group.leader).settle(now)  # a member's busy spans are the leader's
+        leads = self.leads
+        snap = self.ledger.snapshot()
+        # The most blocks a sequence ends holding: blocks_at_end grows with its tokens, so the longest's, asked once;
+        # counted again only when the longest leaves (over a queue of a thousand, ten times a second, it was a tenth
+        # of a saturated fleet's time)
+        if self.longest is None:
+            self.longest = max((r.prompt_tokens + r.output_tokens for r in self.requests.values()), default=0)
+        longest = self.longest if leads else 0
+        return unvalidated(
+            ExecutorTelemetry, executor=self.id, instance=self.instance, time=now, model=self.shape.name,
+            max_model_len=self.max_model_len, block_size=self.limits.block_size, page_bytes=self.page_bytes,
+            kv=unvalidated(KvPages, **self.kv_pages(snap)),
+            layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
+            world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),
+            spare_pages=self.ledger.num_free if self.group else 0,
+            longest_blocks=self.blocks_at_end(longest, 0) if longest else 0,
+            merge_hold_s=max(0.0, self.hold_until - now) if self.group is not None else 0.0,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            max_waiting=self.limits.max_waiting, preemptions=self.scheduler.num_preemptions,
+            admission_blocked=self.scheduler.num_admission_blocked, rejected=self.rejected,
+            prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
+            queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
+            max_num_seqs=self.scheduler.max_num_seqs if leads else 0, requests=self.finished.drain(),
+            pages_growth=self._pages_growth(),
+            busy=self.busy.share(now),
+            layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
+            layer_seconds=self.latency_reports.report(self.steps_load, now) if self.latency_reports else {},
+            predicted_wait_s=queue_wait_s(len(self.scheduler.waiting), len(self.scheduler.running),
+                                          self.scheduler.max_num_seqs, *self.departures.recent(now)))

@@ -26,7 +26,7 @@ import sys
 
 import httpx
 
-from shared.plans import alone
+from shared.core.plans import alone
 
 BITS_ACTIONS = ("quantize", "restore")
 INSTANCE_ACTIONS = ("replicate", "migrate", "evict", "batch", "tp_merge", "tp_split")
@@ -107,7 +107,7 @@ def replica_runs(replicas: list[int]) -> str:
 
 
 def standalone_instance(executor: dict) -> dict:
-    """A standalone executor as the one-member instance the morph API takes (shared/plans.alone), in the shape
+    """A standalone executor as the one-member instance the morph API takes (shared/core/plans.alone), in the shape
     of GET /v1/cluster's instances; its bits are the executor's own."""
     plan = alone(executor["id"], len(executor["layers"])).model_dump()
     for layer, bits in zip(plan["layers"], executor["layers"]):

@@ -33,8 +33,8 @@ from pathlib import Path
 from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_description, progress
 from shared.config import (DEFAULT_MODEL_NAME, LEVERS, PROJECT_ROOT, parse_levers, parse_size, seconds,
                            served_model_name)
+from shared.core.plans import FFN_PIECES, PlanError, read_plan_file
 from shared.net import free_port
-from shared.plans import FFN_PIECES, PlanError, read_plan_file
 
 MORPHING_MODES = ("accuracy", "default", "performance")
 
@@ -232,7 +232,7 @@ def refused(args: argparse.Namespace) -> str | None:
         except PlanError as e:
             return f"--plan {args.plan} does not fit --executors {args.executors}: {e}"
     if args.latency_profile not in ("auto", "none"):
-        from shared.planner.latency import LatencyError, load_profile  # numpy and scipy: only when asked
+        from shared.core.planner.latency import LatencyError, load_profile  # numpy and scipy: only when asked
 
         try:  # each executor checks it against the layers it loads
             load_profile(args.latency_profile)

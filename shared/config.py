@@ -214,7 +214,7 @@ class MonitorConfig:
     # only suspect. A process that is gone is found sooner (the monitor's probe: nobody answers).
     suspect_after_s: float = 1.0
     dead_after_s: float = 6.0
-    # CoCoServe's SLO-violation rate (services/monitor/slo.py): the share of the requests finished over the
+    # CoCoServe's SLO-violation rate (shared/core/monitor/slo.py): the share of the requests finished over the
     # last slo_window_s whose TTFT or TPOT is over its SLO. The SLOs suit the default model on this CPU: an
     # executor alone takes ~70 ms a token, a two-executor instance at low load ~120 ms (docs/benchmarks.md).
     slo_ttft_s: float = 2.0
@@ -259,17 +259,17 @@ class ControllerConfig:
     # shorter timeout calls a command failed that the executor went on to apply.
     command_timeout_s: float = 10.0
     command_retries: int = 2
-    # The MorphServe policy (services/controller/policies/morph.py): a mode preset, scaled to each
+    # The MorphServe policy (shared/core/policies/morph.py): a mode preset, scaled to each
     # executor's depth, then any MorphSettings field overridden by name, e.g. (("kv_high", 0.85),).
     morph_mode: str = "default"  # off | accuracy | default | performance
     morph_overrides: tuple[tuple[str, object], ...] = ()
-    # CoCoServe's scale-up and scale-down (services/controller/policies/cocoserve.py) on instances of several
+    # CoCoServe's scale-up and scale-down (shared/core/policies/cocoserve.py) on instances of several
     # executors: a mode, then any CocoSettings field overridden by name, e.g. (("t_down", 0.2),).
     cocoserve_mode: str = "default"  # off | scale-down | default
     cocoserve_overrides: tuple[tuple[str, object], ...] = ()
     # The speed-up model's fitted costs (`morphling profile --speedup` JSON); None: speedup.DEFAULT_PROFILE.
     speedup_profile: str | None = None
-    # AMOEBAs' split (services/controller/policies/amoebas.py): a TP merge the gateway formed for long requests
+    # AMOEBAs' split (shared/core/policies/amoebas.py): a TP merge the gateway formed for long requests
     # splits back once they are done and this share of its KV is free (GatewayConfig.split_free_fraction, which
     # stops it taking new requests meanwhile, must be the same). On whatever the modes above: merging costs
     # no quality, and a merge nothing needs only costs speed.

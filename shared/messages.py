@@ -172,7 +172,7 @@ class LayerPlan(Part):
 
 class InstancePlan(Part):
     """A group of executors serving one copy of the model: the shape `--tp`, `--plan FILE`, GET
-    /v1/cluster and the planner share (shared/plans.py reads and checks it)."""
+    /v1/cluster and the planner share (shared/core/plans.py reads and checks it)."""
     id: str
     leader: str
     members: list[str] = Field(min_length=1)
@@ -188,13 +188,13 @@ class InstancePlan(Part):
 
 class KvUnits(Part):
     """KV head units an executor would hold outside its slots as a member of a TP-`tp` instance (AMOEBAs'
-    capacity: a block takes one unit per KV head a member holds; shared/tp_scheduler.py)."""
+    capacity: a block takes one unit per KV head a member holds; shared/core/tp_scheduler.py)."""
     tp: int
     units: int
 
 
 class RequestLatency(Part):
-    """One finished request's latencies, for the monitor's SLO windows (services/monitor/slo.py)."""
+    """One finished request's latencies, for the monitor's SLO windows (shared/core/monitor/slo.py)."""
     ttft_s: float  # admitted -> first token
     tpot_s: float  # mean seconds per output token after the first (0 for a one-token completion)
 

@@ -22,12 +22,12 @@ import logging
 import time
 from collections import deque
 
-from services.controller.dispatch import sendable
-from services.controller.policies.interface import PlannedCommand, Policy
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, unsubscribe, validate
 from shared.commands import CommandSender
 from shared.config import ControllerConfig
+from shared.core.dispatch import sendable
+from shared.core.policies.interface import PlannedCommand, Policy
 from shared.messages import ClusterState, CommandResult, Event
 
 log = logging.getLogger(__name__)

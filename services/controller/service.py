@@ -28,11 +28,11 @@ import logging
 import sys
 
 from services.controller.loop import Controller
-from services.controller.policies import cocoserve_algorithms, ladder
-from services.controller.policies.morph import MODES, settings_for_mode
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import LEVERS, ControllerConfig, parse_levers, read_swap_order, seconds
-from shared.speedup import SpeedupProfile
+from shared.core.policies import cocoserve_algorithms, ladder
+from shared.core.policies.morph import MODES, settings_for_mode
+from shared.core.speedup import SpeedupProfile
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)

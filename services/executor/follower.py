@@ -14,13 +14,14 @@ import uuid
 
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.world import FabricError
-from services.executor.latency import BusyWindow
 from services.executor.service import heartbeat
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
+from shared.core.latency import BusyWindow
+from shared.core.roles import Role, refusal
 from shared.errors import InvalidCommandError
-from shared.messages import (Admission, Command, CommandResult, DrainArgs, ErrorInfo, ExecutorTelemetry,
+from shared.messages import (Admission, Command, CommandResult, ErrorInfo, ExecutorTelemetry,
                              GenerateRequest, KvPages, PingArgs)
 
 log = logging.getLogger(__name__)
@@ -95,15 +96,13 @@ class FollowerService:
         result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
         try:
             args = cmd.parsed_args()
+            if (why := refusal(Role.MEMBER, cmd.kind, self.id, self.member.plan.id, self.member.leader)) is not None:
+                raise InvalidCommandError(why, "kind")
             if isinstance(args, PingArgs):
                 result.state = {"running": 0, "waiting": 0, "draining": self.draining, "leader": self.member.leader}
-            elif isinstance(args, DrainArgs):
+            else:  # drain, the one other command a member takes
                 self.draining = True
                 result.state = {"in_flight": 0}
-            else:
-                raise InvalidCommandError(f"{self.id} is a member of instance {self.member.plan.id}, which morphs "
-                                          f"as a whole, not one member at a time: send it to its leader "
-                                          f"{self.member.leader}", "kind")
         except InvalidCommandError as exc:
             result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         if incoming.can_reply:

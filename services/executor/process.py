@@ -17,12 +17,12 @@ import logging
 import os
 from dataclasses import replace
 
-from services.executor.engine.errors import EngineError
 from services.executor.service import ExecutorService
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds
+from shared.core.errors import EngineError
+from shared.core.plans import FULL_BITS, INSTANCE_PREFIX, PlanError, alone, instance_plans, plan_of, quantized_layers
 from shared.messages import InstancePlan
-from shared.plans import FULL_BITS, INSTANCE_PREFIX, PlanError, alone, instance_plans, plan_of, quantized_layers
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -242,9 +242,9 @@ def cluster_check(engine, world_size: int) -> None:
     """An executor alone in a world starts when the widest TP instance the world can merge it into holds one
     sequence of max_model_len (each peer taken to hold what it does, as `morphling up` starts them alike);
     MemoryBudgetError otherwise."""
-    from services.executor.engine.errors import MemoryBudgetError
+    from shared.core.errors import MemoryBudgetError
     from services.executor.fabric.merge import kv_units
-    from shared.tp_scheduler import MAX_TP, Member, capacity
+    from shared.core.tp_scheduler import MAX_TP, Member, capacity
 
     size, kv_heads = engine.config.block_size, engine.model_config.num_kv_heads
     need = -(-(engine.max_model_len - 1) // size)

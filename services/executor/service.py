@@ -15,9 +15,6 @@ from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Callable
 
-from services.executor.admission import queue_wait_s
-from services.executor.engine.errors import EngineError
-from services.executor.engine.scheduling.phases import LatencyReports
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
@@ -25,13 +22,17 @@ from services.executor.worker import EngineWorker
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
+from shared.core.admission import queue_wait_s
+from shared.core.errors import EngineError
+from shared.core.plans import alone_id
+from shared.core.roles import Role, refusal, role_of
+from shared.core.scheduling.phases import LatencyReports
+from shared.core.tp_scheduler import MAX_TP, world_allows
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
                              DrainArgs, ErrorInfo, Event, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
                              InstancePlan, KvPages, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
                              RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
-from shared.plans import alone_id
-from shared.tp_scheduler import MAX_TP, world_allows
 
 # The latency profile shipped for each kind of device: measured on this project's CPU machine for the default model.
 SHIPPED_LATENCY_PROFILES = {"cpu": Path(__file__).resolve().parents[2] / "docs" / "results" / "latency_profile_cpu.json"}
@@ -48,7 +49,7 @@ def latency_profile_path(choice: str | None, device: str, layers: object) -> str
     shipped = SHIPPED_LATENCY_PROFILES.get(device.split(":")[0])
     if shipped is None or not shipped.exists():
         return None
-    from shared.planner.latency import LatencyError, load_profile
+    from shared.core.planner.latency import LatencyError, load_profile
 
     try:
         load_profile(shipped).check_layers(layers, str(shipped))
@@ -128,7 +129,7 @@ class ExecutorService:
         self._latency: LatencyReports | None = None  # what it reports of its latency profile, when given one
         profile = latency_profile_path(config.latency_profile, engine.config.device, engine.model_config)
         if profile is not None:
-            from shared.planner.latency import load_profile  # numpy and scipy: only when asked
+            from shared.core.planner.latency import load_profile  # numpy and scipy: only when asked
 
             latency = load_profile(profile)
             latency.check_layers(engine.model_config, profile)
@@ -286,15 +287,14 @@ class ExecutorService:
         snap = self.worker.snapshot
         try:
             args = cmd.parsed_args()
+            if (why := refusal(self._role(), cmd.kind, self.id, *self._instance_and_leader())) is not None:
+                raise InvalidCommandError(why, "kind")
             if isinstance(args, PingArgs):
                 result.state = {"running": snap.stats.running, "waiting": snap.stats.waiting,
                                 "draining": self.draining}
             elif isinstance(args, DrainArgs):
                 self.worker.draining = True
                 result.state = {"in_flight": snap.in_flight}
-            elif (member := self.worker.following) is not None:
-                raise InvalidCommandError(f"{self.id} is a member of instance {member.plan.id}, which morphs as a "
-                                          f"whole: send it to its leader {member.leader}", "kind")
             elif isinstance(args, TpMergeArgs):
                 self._check_merge(args)
                 report = await asyncio.wrap_future(self.worker.call(
@@ -302,13 +302,7 @@ class ExecutorService:
                 result.state = {"plan": self.plan.model_dump(), **report}
             elif isinstance(args, TpSplitArgs):
                 self._check_instance(args.instance)
-                if not self.plan.merged:
-                    raise InvalidCommandError(f"instance {args.instance} was not formed by tp_merge: it has nothing "
-                                              f"to split back into", "args.instance")
                 result.state = await asyncio.wrap_future(self.worker.call(self.worker.split))
-            elif self.plan is not None and self.plan.merged:
-                raise InvalidCommandError(f"instance {self.instance_id} is a TP merge, which serves at the bits its "
-                                          f"layers had when it formed: {cmd.kind} it after its split", "kind")
             elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
                 self._check_instance(args.instance)
                 result.state = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
@@ -324,6 +318,16 @@ class ExecutorService:
             result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
         log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
         return result
+
+    def _role(self) -> Role:
+        following = self.worker.following
+        return role_of(in_instance=following is not None or self.engine.member is not None,
+                       leads=following is None, merged=self.plan is not None and self.plan.merged)
+
+    def _instance_and_leader(self) -> tuple[str | None, str | None]:
+        if (following := self.worker.following) is not None:
+            return following.plan.id, following.leader
+        return self.instance_id, self.id
 
     def _check_merge(self, args: TpMergeArgs) -> None:
         """What every member can check alone before the merge's first collective, so that none of them waits

@@ -45,21 +45,21 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry.context import Context
 
-from services.executor.admission import Departures, admits, predicted_wait_s, waiting_ahead
-from services.executor.engine.errors import KvCapacityError, QueueFullError
-from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.phases import StepsLoad
 from services.executor.fabric import step as wire
 from services.executor.fabric import transform
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.merge import kv_units
 from services.executor.fabric.world import FabricError, World
-from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow, TrackedRequest, emit_spans
 from services.executor.tokenization import render
 from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import BusError, Incoming
+from shared.core.admission import Departures, admits, predicted_wait_s, waiting_ahead
+from shared.core.errors import KvCapacityError, QueueFullError
+from shared.core.latency import BusyWindow, FinishedSamples, LatencyWindow, TrackedRequest, emit_spans
+from shared.core.scheduling.growth import pages_growth
+from shared.core.scheduling.phases import StepsLoad
 from shared.errors import InvalidCommandError, InvalidRequestError
 from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, NOT_STARTED, Admission, Cancel,
                              ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta, pressure_events)

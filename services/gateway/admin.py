@@ -13,7 +13,7 @@ Two kinds of body share the endpoint, told apart by `action`:
 - `{"action": "replicate"|"migrate"|"evict", "instance", "layers": [a, b], "to", "from"}` and
   `{"action": "batch", "instance", "max_num_seqs"}` are CoCoServe's operations on one instance, sent to its
   leader (DESIGN.md, "Instances across executors"). A standalone executor is the one-member instance
-  `i-<executor>` (shared/plans.alone): it has no peer to hold a layer, so it takes only `batch`.
+  `i-<executor>` (shared/core/plans.alone): it has no peer to hold a layer, so it takes only `batch`.
 - `{"action": "tp_merge", "executors": [..]}` merges executors serving alone in one world into a TP2/TP4
   instance (AMOEBAs; every one of them takes its part), and `{"action": "tp_split", "instance"}` splits such
   an instance back. A merge by hand is held ADMIN_MERGE_HOLD_S before the controller may split it back on
@@ -21,7 +21,7 @@ Two kinds of body share the endpoint, told apart by `action`:
 A body that is not well formed is a 400 naming the field, an id that names nothing a 404, and a morph an
 executor refuses a 409 with its reason (the executor then changed nothing).
 
-GET /v1/cluster shows the instances beside the executors, in the plan shape shared/plans.py reads, so that a
+GET /v1/cluster shows the instances beside the executors, in the plan shape shared/core/plans.py reads, so that a
 `--plan` file can be written from what a running cluster shows. Each instance also carries `replicas`, the
 executors computing each layer (1 for a TP instance's sharded layers), derived from its placement so that
 CoCoServe's replication shows at a glance; it is no part of a plan and is to be dropped when one is read back.
@@ -37,9 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from services.gateway import tp_merges
 from services.gateway.openai_api import ApiError, bad_request
 from shared.commands import CommandSender
+from shared.core.plans import alone, alone_id, leads
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, CommandResult, EvictArgs, InstancePlan, MigrateArgs,
                              QuantizeArgs, ReplicateArgs, RestoreArgs, TpSplitArgs)
-from shared.plans import alone, alone_id, leads
 
 ALL = "*"
 # Swapping layers waits for a forward-pass boundary and may relocate KV blocks; a busy CPU executor

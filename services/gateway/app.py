@@ -25,10 +25,10 @@ from services.gateway.completions import SPAN_SCOPE_KEY, generate, read_json, to
 from services.gateway.dispatch import Dispatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
-from services.gateway.router import serving
 from shared.bus import Bus
 from shared.commands import CommandSender
 from shared.config import GatewayConfig, seconds
+from shared.core.router import serving
 from shared.telemetry import setup_tracing, tracer
 
 log = logging.getLogger("morphling.gateway")

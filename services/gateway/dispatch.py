@@ -27,15 +27,15 @@ from opentelemetry import context as otel_context
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError
-from services.gateway.router import Unreported, choose_executor, prompt_pages, serving
 from services.gateway.tp_merges import MergeScheduler
 from shared import subjects
 from shared.bus import Bus, BusError, BusUnavailable, Incoming, PayloadTooLarge, ReplyTimeout
 from shared.commands import CommandSender
 from shared.config import GatewayConfig
+from shared.core.router import Unreported, choose_executor, prompt_pages, serving
+from shared.core.tp_scheduler import MAX_TP, instances_from
 from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, NOT_STARTED, Admission, Cancel,
                              ClusterState, ErrorInfo, GenerateRequest, ResumedCompletion, TokenBatch, TokenDelta)
-from shared.tp_scheduler import MAX_TP, instances_from
 
 log = logging.getLogger(__name__)
 

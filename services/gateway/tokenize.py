@@ -11,9 +11,9 @@ from pydantic import StrictBool, StrictInt
 
 from services.gateway.dispatch import unavailable
 from services.gateway.openai_api import ApiError, ChatMessage, StrictBody, check_template_kwargs, parse_request
-from services.gateway.router import choose_executor
 from shared import subjects
 from shared.bus import BusError
+from shared.core.router import choose_executor
 from shared.messages import DetokenizeReply, DetokenizeRequest, TokenizeReply, TokenizeRequest
 
 

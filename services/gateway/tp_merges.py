@@ -19,9 +19,9 @@ import time
 
 from services.gateway.openai_api import ApiError
 from shared.commands import CommandSender
-from shared.messages import ClusterState, CommandResult, TpMergeArgs
-from shared.tp_scheduler import (MAX_TP, Merge, Refuse, Route, SchedulerState, capacity, decide, instances_from,
+from shared.core.tp_scheduler import (MAX_TP, Merge, Refuse, Route, SchedulerState, capacity, decide, instances_from,
                                  world_allows)
+from shared.messages import ClusterState, CommandResult, TpMergeArgs
 
 log = logging.getLogger(__name__)
 

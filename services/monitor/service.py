@@ -42,12 +42,12 @@ import itertools
 import time
 import uuid
 
-from services.monitor.aggregate import UP, ClusterView
-from services.monitor.held import HeldReports
-from services.monitor.pace import pace
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, NoResponders, StreamError, stop_on_signals, unsubscribe, validate
 from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
+from shared.core.monitor.aggregate import UP, ClusterView
+from shared.core.monitor.held import HeldReports
+from shared.core.monitor.pace import pace
 from shared.messages import ClusterState, Command, CommandResult, Event, ExecutorTelemetry, PingArgs, pressure_events
 from shared.telemetry import setup_tracing
 

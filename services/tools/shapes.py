@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.planner.shapes import SHAPES as PLANNER_SHAPES
-from shared.planner.shapes import ModelShape
+from shared.core.planner.shapes import SHAPES as PLANNER_SHAPES
+from shared.core.planner.shapes import ModelShape
 
 DEFAULT_CACHE_DIR = Path("~/.cache/morphling/shapes")
 MARKER = "morphling-shape.json"  # written last: its presence means the directory is complete
@@ -54,7 +54,7 @@ class ShapeError(ValueError):
 
 @dataclass(frozen=True)
 class Shape(ModelShape):
-    """A model's shape as the planner knows it (shared/planner/shapes.py), and what a checkpoint of it says
+    """A model's shape as the planner knows it (shared/core/planner/shapes.py), and what a checkpoint of it says
     besides: its RoPE and its norms' epsilon."""
     rope_theta: float = 500000.0
     rope_scaling: dict | None = field(default=None, hash=False)

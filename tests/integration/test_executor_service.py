@@ -25,9 +25,9 @@ from services.executor.service import ExecutorService
 from shared import subjects
 from shared.bus import Bus, decode
 from shared.config import EngineConfig, ExecutorConfig
+from shared.core.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 from shared.messages import (SCHEMA_VERSION, Admission, Cancel, Command, CommandResult, ExecutorTelemetry,
                              GenerateRequest, TokenBatch, TokenDelta)
-from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 from shared.sampling import SamplingOptions
 from shared.telemetry import tracer
 from tests.checkpoints import tiny_llama3_engine

@@ -8,13 +8,13 @@ import asyncio
 import time
 
 from services.controller.loop import Controller
-from services.controller.policies.interface import PlannedCommand
-from services.monitor.aggregate import ClusterView
 from services.monitor.service import MonitorService
 from shared import subjects
 from shared.bus import Bus
 from shared.commands import CommandSender
 from shared.config import ControllerConfig, MonitorConfig
+from shared.core.monitor.aggregate import ClusterView
+from shared.core.policies.interface import PlannedCommand
 from shared.messages import ClusterState, Command, CommandResult, Event, PingArgs, QuantizeArgs
 from tests.nats_server import until_routed
 from tests.unit.test_monitor_aggregate import telemetry

@@ -129,7 +129,7 @@ def _operation(spec) -> object:
 
 
 def placed_after(placements: list[set[str]], op) -> list[set[str]] | None:
-    """Where each layer is after `op`, worked out here from what the operations mean (not by shared.plans), or
+    """Where each layer is after `op`, worked out here from what the operations mean (not by shared.core.plans), or
     None where the layers' placement refuses it: a replica already there, a source without the layer, a last copy."""
     after = [set(p) for p in placements]
     for i in range(op.layers[0], op.layers[1] + 1):

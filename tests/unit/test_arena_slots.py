@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.executor.engine.errors import MemoryBudgetError
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
+from shared.core.errors import MemoryBudgetError
 
 GEOMETRY = ArenaGeometry(num_layers=6, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 SLOT = 3 * GEOMETRY.page_bytes  # three pages a layer

@@ -8,22 +8,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.tools.bench import suite
 from services.tools.bench.client import ClusterSample, RequestRecord
+from services.tools.bench.events import actions, reaction
 from services.tools.bench.metrics import percentile, precision_share, preemptions, summarize, timeline
+from services.tools.bench.modes import MODES, ModeError, up_args
 from services.tools.bench.plots import plot_timeline, plot_ttft_cdf
 from services.tools.bench.prompts import PromptPool, fit, read_texts
 from services.tools.bench.quality import PerplexityTable, quality
-from services.tools.bench.events import actions, reaction
-from services.tools.bench.modes import MODES, ModeError, up_args
 from services.tools.bench.report import add_quality, comparison, mode_summary, window_result
-from services.tools.bench.run import parse_args
-from services.tools.bench import suite
 from services.tools.bench.rest import at_rest, shape
+from services.tools.bench.run import parse_args
 from services.tools.bench.suite import Replay
 from services.tools.bench.trace import TraceError, load_trace, read_rows, scale_lengths
 from shared.config import data_dir, parse_size
+from shared.core.plans import read_plan_file
 from shared.messages import Event
-from shared.plans import read_plan_file
 
 AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
          "2023-11-16 18:15:46.6805900,374,44\r\n"

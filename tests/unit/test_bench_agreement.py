@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from services.gateway.openai_api import ChunkBuilder, CompletionRequest, parse_request
 from services.tools.bench.agreement import agreement, mean_logprob
 from services.tools.bench.client import RequestRecord, read_chunk, request_body
 from services.tools.bench.trace import TraceRequest
-from services.gateway.openai_api import ChunkBuilder, CompletionRequest, parse_request
 from shared.messages import LogprobEntry
 
 TEN = list("abcdefghij")

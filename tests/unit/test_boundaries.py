@@ -5,8 +5,10 @@ Each package under services/ is one process (gateway, executor, monitor, control
 profilers, the planner's CLI, the simulator); what two processes need lives in shared/ (messages, the command
 sender, sampling options, configuration) or kernels/. A direct import across that line is how a gateway ends up
 loading torch, or a controller pulling in nats to run a pure policy; this test names the offending import instead.
-Tools may import any of it (the simulator runs the services' own pure code on simulated executors), but nothing
-serving imports a tool, so a benchmark never loads into a serving process. The entry points beside the packages
+The pure rules live in shared/core, below every process and importing none of them, torch or nats; the protocol
+(shared's subjects, messages, bus, configuration) sits below the rules. Tools may import any of it (the simulator
+runs the services' own rules on simulated executors), but nothing serving imports a tool, so a benchmark never loads
+into a serving process. The entry points beside the packages
 (cli.py, up.py, admin_cli.py, events_cli.py) start processes and tools by command line, never by import.
 """
 
@@ -66,12 +68,27 @@ def test_shared_code_depends_on_no_service(folder, forbidden):
     assert bad == []
 
 
-def test_policies_import_no_bus():
-    """The controller's policies run in the simulator too: nothing under policies/ may reach nats."""
-    policies = SERVICES / "controller" / "policies"
-    reach = {m for f in policies.rglob("*.py") for _, m in imported_modules(f)}
-    assert not {m for m in reach if m.split(".")[0] == "nats" or m in ("shared.bus", "shared.commands",
-                                                                          "services.controller.loop")}
+CORE = PROJECT_ROOT / "shared" / "core"
+
+
+def test_the_rules_import_neither_torch_nor_nats_nor_a_process():
+    """shared/core holds the pure rules the services and the simulator both run (the scheduler and ledger, admission,
+    the router's choice, the monitor's aggregation, the controller's policies, plans, the planner): they may import
+    the protocol and one another, and nothing that needs a device, the bus or a process."""
+    forbidden = ("torch", "nats", "services", "kernels", "shared.bus", "shared.commands")
+    bad = [f"{f.relative_to(PROJECT_ROOT)}:{line} imports {module}"
+           for f in sorted(CORE.rglob("*.py")) for line, module in imported_modules(f)
+           if any(module == x or module.startswith(x + ".") for x in forbidden)]
+    assert bad == []
+
+
+def test_the_protocol_imports_no_rule():
+    """The protocol (subjects, messages, the bus, configuration) is what the rules are written against, not above them."""
+    protocol = [f for f in sorted((PROJECT_ROOT / "shared").rglob("*.py")) if CORE not in f.parents]
+    assert protocol
+    bad = [f"{f.relative_to(PROJECT_ROOT)}:{line} imports {module}"
+           for f in protocol for line, module in imported_modules(f) if module.startswith("shared.core")]
+    assert bad == []
 
 
 def test_the_crossing_detector_sees_function_level_imports(tmp_path):

@@ -1,5 +1,5 @@
 """The gateway's admin endpoints without a bus: GET /v1/cluster's body (the executors with their instance, role,
-batch cap and SLO window; the instances in the plan shape shared/plans.py reads, with their replicas per layer),
+batch cap and SLO window; the instances in the plan shape shared/core/plans.py reads, with their replicas per layer),
 and POST /v1/cluster/morph over HTTP against a monitor view and a command sender that stand in for the cluster."""
 
 import asyncio
@@ -10,9 +10,9 @@ from starlette.testclient import TestClient
 from services.gateway import admin
 from services.gateway.app import create_app
 from shared.config import GatewayConfig
+from shared.core.plans import parse_plans, tp_plans
 from shared.messages import (BatchArgs, ClusterState, Command, CommandResult, EvictArgs, InstancePlan, LayerPlan,
                              MigrateArgs, QuantizeArgs, ReplicateArgs, SloWindow)
-from shared.plans import parse_plans, tp_plans
 from tests.unit.test_router import executor, state
 
 

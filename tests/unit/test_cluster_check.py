@@ -5,9 +5,9 @@ longer than the instance holds is refused as kv_capacity (the gateway merges for
 import pytest
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.errors import KvCapacityError, MemoryBudgetError
 from services.executor.process import cluster_check
 from shared.config import EngineConfig
+from shared.core.errors import KvCapacityError, MemoryBudgetError
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3
 

@@ -1,6 +1,6 @@
 """CoCoServe's scale-up (Algorithm 1) and scale-down (Algorithm 2) policies, driven with hand-made cluster states.
 
-A fake instance applies the planned commands to its plan (shared.plans.reshaped, as the leader does) and
+A fake instance applies the planned commands to its plan (shared.core.plans.reshaped, as the leader does) and
 accounts for pages the way the fabric does: every member backs the instance's KV blocks outside its layer
 slots, so the instance has as many blocks as the fullest member can back, and a member's spare pages are
 what it has beyond that. The policy thus sees its own commands' effects in the next states.
@@ -19,16 +19,16 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from services.controller.loop import Controller
-from services.controller.policies import cocoserve
-from services.controller.policies.cocoserve import CocoMemory, plan
-from services.controller.policies.cocoserve_algorithms import (CocoSettings, consecutive_runs, scale_up,
-                                                               settings_for_mode, sort_candidates_by_continuity)
-from shared.speedup import DEFAULT_PROFILE, Line, SpeedupProfile, Strategy, predict
 from shared.commands import CommandSender
 from shared.config import ControllerConfig
+from shared.core.plans import layers_on, reshaped
+from shared.core.policies import cocoserve
+from shared.core.policies.cocoserve import CocoMemory, plan
+from shared.core.policies.cocoserve_algorithms import (CocoSettings, consecutive_runs, scale_up,
+                                                               settings_for_mode, sort_candidates_by_continuity)
+from shared.core.speedup import DEFAULT_PROFILE, Line, SpeedupProfile, Strategy, predict
 from shared.messages import (BatchArgs, ClusterState, CommandResult, EvictArgs, ExecutorState, ExecutorTelemetry,
                              InstancePlan, KvPages, LayerPlan, MigrateArgs, ReplicateArgs, SloWindow)
-from shared.plans import layers_on, reshaped
 
 R, TOTAL, LAYERS = 10, 200, 8  # pages per layer slot, pages per member's arena, decoder layers
 FAST = CocoSettings(enter_windows=2, leave_windows=3, min_dwell_s=1.0, up_windows=2, settle_s=0.5, step=4,

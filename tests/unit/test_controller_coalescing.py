@@ -5,9 +5,9 @@ are handed to the subscription callback as the bus would."""
 import asyncio
 
 from services.controller.loop import Controller
-from services.monitor.aggregate import ClusterView
 from shared.bus import encode, unpack
 from shared.config import ControllerConfig, MonitorConfig
+from shared.core.monitor.aggregate import ClusterView
 from tests.unit.test_monitor_aggregate import telemetry
 
 

@@ -9,12 +9,12 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.scheduling.scheduler import Scheduler
-from services.executor.engine.scheduling.sequence import Sequence, Status
 from services.tools.simulator.costs import phases
 from services.tools.simulator.decode_batch import DecodeBatch
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import PageLedger
+from shared.core.scheduling.scheduler import Scheduler
+from shared.core.scheduling.sequence import Sequence, Status
 from shared.sampling import SamplingOptions
 
 BLOCK = 4

@@ -13,20 +13,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.tools.bench.trace import TraceRequest
-from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import ScheduledChunk
-from services.executor.engine.scheduling.sequence import Sequence
 from services.tools.simulator import costs, decode_run
 from services.tools.simulator.cluster import SimSettings, Simulation
 from services.tools.simulator.executor import SimExecutor, SimRequest
 from services.tools.simulator.fleet import read_fleet
 from services.tools.simulator.instance import _parts
 from shared.config import ControllerConfig
+from shared.core.planner.devices import DEVICES
+from shared.core.planner.latency import FittedLatency
+from shared.core.planner.roofline import RooflineLatency
+from shared.core.planner.shapes import SHAPES
+from shared.core.scheduling.growth import pages_growth
+from shared.core.scheduling.scheduler import ScheduledChunk
+from shared.core.scheduling.sequence import Sequence
 from shared.messages import EvictArgs, ReplicateArgs
-from shared.planner.devices import DEVICES
-from shared.planner.latency import FittedLatency
-from shared.planner.roofline import RooflineLatency
-from shared.planner.shapes import SHAPES
 from shared.sampling import SamplingOptions
 
 PAGE = 737_280  # the default model's page: one 16-token block of every layer's KV, float32

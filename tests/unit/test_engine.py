@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.errors import MemoryBudgetError, QueueFullError
 from shared.config import EngineConfig
+from shared.core.errors import MemoryBudgetError, QueueFullError
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.executor.follower import FollowerService
-from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.executor.service import ExecutorService
-from services.executor.engine.scheduling.growth import pages_growth
 from shared import subjects
 from shared.config import ExecutorConfig
+from shared.core.latency import BusyWindow, FinishedSamples, LatencyWindow
+from shared.core.scheduling.growth import pages_growth
 from shared.messages import Cancel, ExecutorTelemetry, RequestLatency
 from shared.sampling import SamplingOptions
 from tests.checkpoints import tiny_llama3_engine

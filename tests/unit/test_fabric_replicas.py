@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.executor.fabric.replicas import assign_replicas, rows_by_replica
+from shared.core.replicas import assign_replicas, rows_by_replica
 
 REPLICAS = ("exec0", "exec1", "exec2")
 

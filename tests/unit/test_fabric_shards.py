@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.decoder import PIECE_MULTIPLE, pad_channels
 from services.executor.fabric.shards import ffn_shard, head_shards
-from shared.plans import FFN_PIECES
+from shared.core.errors import ModelLoadError
+from shared.core.plans import FFN_PIECES
 
 
 @pytest.mark.parametrize("heads,kv,tp,expected", [

@@ -4,8 +4,8 @@ always 0) leave the request gauges as they were."""
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics
+from shared.core.plans import tp_plans
 from shared.messages import ClusterState
-from shared.plans import tp_plans
 from tests.unit.test_router import executor
 
 

@@ -1,10 +1,10 @@
 """The controller's ladder: quantizing first under pressure, CoCoServe's scale-down once it is exhausted, and
 the reverse when pressure ends (CoCoServe's steps back, then the restores), on one instance of two members."""
 
-from services.controller.policies import ladder
-from services.controller.policies.morph import settings_for_mode
+from shared.core.plans import FULL_BITS, with_bits
+from shared.core.policies import ladder
+from shared.core.policies.morph import settings_for_mode
 from shared.messages import QuantizeArgs, RestoreArgs
-from shared.plans import FULL_BITS, with_bits
 from tests.unit.test_cocoserve_policy import CALM, FAST, VIOLATING, FakeInstance, instance_plan
 
 LAYERS = 8

@@ -7,15 +7,15 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from shared.planner.latency import (
-    DECODE_FEATURES, PREFILL_FEATURES, FittedLatency, LatencyError, decode_features, fit, fit_error,
-    load_profile, prefill_features,
-)
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.graphs import DecodeGraphs
 from services.executor.engine.morphing import variants
 from services.tools.profile import latency as profile_latency
 from shared.config import EngineConfig
+from shared.core.planner.latency import (
+    DECODE_FEATURES, PREFILL_FEATURES, FittedLatency, LatencyError, decode_features, fit, fit_error,
+    load_profile, prefill_features,
+)
 from tests.checkpoints import write_tiny_llama_8kv
 
 PREFILL = [2e-4, 5e-5, 1e-6, 3e-7, 2e-10]

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.executor.engine.errors import LedgerError
-from services.executor.engine.memory.ledger import PageLedger
+from shared.core.errors import LedgerError
+from shared.core.memory.ledger import PageLedger
 
 
 def test_slots_are_carved_from_free_pages_and_refuse_double_use():

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
 from services.executor.engine.model.gguf_loader import _fit_llama3_rope, _llama3_factors
 from services.executor.engine.model.loader import default_model_path, load_checkpoint, resolve_model_path
+from shared.core.errors import ModelLoadError, UnsupportedModelError
 from tests.checkpoints import (
     _llama3_rope_freqs,
     canonical_state_dict,

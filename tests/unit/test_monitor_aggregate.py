@@ -6,10 +6,10 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.monitor.aggregate import ClusterView, ewma_alpha
 from shared.config import MonitorConfig
+from shared.core.monitor.aggregate import ClusterView, ewma_alpha
+from shared.core.plans import tp_plans
 from shared.messages import ExecutorTelemetry, InstancePlan, KvPages, RequestLatency
-from shared.plans import tp_plans
 
 
 def telemetry(executor: str, at: float, used: int = 0, free: int = 100, waiting: int = 0,

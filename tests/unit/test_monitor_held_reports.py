@@ -8,12 +8,12 @@ import time
 
 import msgpack
 
-from services.tools.bench.bus_load import SyntheticExecutor
 from services.monitor.service import MonitorService, state_body
+from services.tools.bench.bus_load import SyntheticExecutor
 from shared.bus import NoResponders, decode, unpack, encode
 from shared.config import MonitorConfig
+from shared.core.plans import tp_plans
 from shared.messages import ClusterState, RequestLatency
-from shared.plans import tp_plans
 from tests.unit.test_monitor_aggregate import telemetry
 
 

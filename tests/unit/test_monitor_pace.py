@@ -1,10 +1,10 @@
-"""The monitor's pace (services/monitor/pace.py): publishing the cluster state takes at most half of its time,
+"""The monitor's pace (shared/core/monitor/pace.py): publishing the cluster state takes at most half of its time,
 and a monitor whose states are cheap keeps its clock and its states between ticks."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.monitor.pace import pace
+from shared.core.monitor.pace import pace
 
 intervals = st.floats(min_value=0.01, max_value=5.0)
 costs = st.floats(min_value=0.0, max_value=10.0)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from services import up
 from services.monitor import service as monitor_service
-from services.monitor.slo import SloTracker, _window, nearest_rank
 from shared.config import MonitorConfig
+from shared.core.monitor.slo import SloTracker, _window, nearest_rank
 from shared.messages import RequestLatency, SloWindow
 
 

@@ -11,14 +11,14 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from services.controller.hysteresis import Hysteresis
 from services.controller.loop import Controller
-from services.controller.policies.morph import (ExecutorMemory, MorphMemory, MorphSettings, learn_freed_pages,
+from shared.config import ControllerConfig
+from shared.core.hysteresis import Hysteresis
+from shared.core.plans import alone
+from shared.core.policies.morph import (ExecutorMemory, MorphMemory, MorphSettings, learn_freed_pages,
                                                 make_policy, next_quantize, next_restore, pages_taken_back, plan,
                                                 settings_for_mode, will_quantize)
-from shared.config import ControllerConfig
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan, KvPages
-from shared.plans import alone
 
 SLOT, FREED, BASE = 10, {8: 5, 4: 7}, 40  # pages per FP16 slot, pages freed per layer, base KV pages
 
@@ -178,7 +178,7 @@ def test_a_queue_predicted_to_wait_is_pressure_before_its_mean_wait_rises(second
 def test_a_longer_predicted_wait_never_takes_pressure_away(usage, waiting, delay, predicted, more, seconds):
     """Pressure is monotone in the predicted wait, counts it only while requests wait, and a queue whose next
     step is slower at fewer bits is never quantized for, however long its predicted wait."""
-    from services.controller.policies.morph import under_pressure
+    from shared.core.policies.morph import under_pressure
 
     ex = FakeExecutor()
     step = next_quantize(ex.layers, BASE_SETTINGS)

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shared.planner import heuristic, ilp
-from shared.planner.devices import DEVICES, ClusterError, parse_devices, read_cluster, table_name
-from shared.planner.memory import PaperMemory, Workload, weight_bytes
 from services.tools.plan.run import main as plan_main
-from shared.planner.problem import Costs, Problem, evaluate
-from shared.planner.roofline import RooflineLatency
-from shared.planner.search import Request, het, search, uniform
-from shared.planner.shapes import SHAPES
-from shared.plans import parse_plans
+from shared.core.planner import heuristic, ilp
+from shared.core.planner.devices import DEVICES, ClusterError, parse_devices, read_cluster, table_name
+from shared.core.planner.memory import PaperMemory, Workload, weight_bytes
+from shared.core.planner.problem import Costs, Problem, evaluate
+from shared.core.planner.roofline import RooflineLatency
+from shared.core.planner.search import Request, het, search, uniform
+from shared.core.planner.shapes import SHAPES
+from shared.core.plans import parse_plans
 
 # The heuristic's stated gap: on the random instances below it never ends more than this far above the optimum
 # (docs/splitquant.md has the measured distribution).

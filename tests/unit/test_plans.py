@@ -1,4 +1,4 @@
-"""shared/plans.py: the instance shapes of `--tp` and `--executors`, and what a `--plan` file may say."""
+"""shared/core/plans.py: the instance shapes of `--tp` and `--executors`, and what a `--plan` file may say."""
 
 import json
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.messages import EvictArgs, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
-from shared.plans import (OperationRefused, PlanError, alone, check_plans, instance_plans, layers_on, parse_plans,
+from shared.core.plans import (OperationRefused, PlanError, alone, check_plans, instance_plans, layers_on, parse_plans,
                           plan_of, plans_json, quantized_layers, read_plan_file, reshaped, segments, tp_plans)
+from shared.messages import EvictArgs, InstancePlan, LayerPlan, MigrateArgs, ReplicateArgs
 
 EXECS = ["exec0", "exec1", "exec2", "exec3"]
 

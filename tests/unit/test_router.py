@@ -4,10 +4,10 @@ shortest queue, then the least share of its KV in use; AMOEBAs' baselines by tur
 import pytest
 from hypothesis import given, strategies as st
 
-from services.gateway.router import Unreported, choose_executor, prompt_pages, serving
-from shared.plans import leads
+from shared.core.plans import leads
+from shared.core.plans import tp_plans
+from shared.core.router import Unreported, choose_executor, prompt_pages, serving
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, KvPages
-from shared.plans import tp_plans
 
 
 def executor(name, free=10, waiting=0, running=0, alive=True, draining=False, model="m", suspect=False, plan=None,
@@ -165,7 +165,7 @@ def test_identical_executors_between_two_states_take_turns(asked, n, arrivals):
                        max_size=4),
        st.sets(st.integers(0, 7), max_size=3))
 def test_the_quick_walk_picks_what_weighing_every_executor_picks(executors, sends, excluded):
-    from services.gateway.router import Sent, kv_in_use
+    from shared.core.router import Sent, kv_in_use
     s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
                 for i, (free, waiting, suspect) in enumerate(executors)))
     sent = {f"e{i}": Sent(requests, pages, full) for i, (requests, pages, full) in sends.items()}
@@ -186,7 +186,7 @@ def test_a_state_routed_on_request_after_request_picks_what_weighing_every_execu
     """The router keeps its weighing between two states, each model's apart; every send, every refusal's
     exclusion and every refuser's mark still leave its choice the least loaded of all that serve the model
     asked for."""
-    from services.gateway.router import NOTHING_SENT, kv_in_use
+    from shared.core.router import NOTHING_SENT, kv_in_use
     s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect, model=model)
                 for i, (free, waiting, suspect, model) in enumerate(executors)))
     sent = Unreported()
@@ -211,7 +211,7 @@ def test_requests_walking_past_refusers_in_turn_each_get_the_least_loaded_they_h
     """Three requests' retry walks interleave (as the gateway's admissions do, each awaiting a reply): each call
     passes its request's own set of executors tried so far, grown by one each time, and gets the least loaded of
     those it has not tried, as weighing every executor would pick; a request that found none starts again."""
-    from services.gateway.router import NOTHING_SENT, kv_in_use
+    from shared.core.router import NOTHING_SENT, kv_in_use
     s = state(*(executor(f"e{i}", free=free, waiting=waiting, suspect=suspect)
                 for i, (free, waiting, suspect) in enumerate(executors)))
     sent, tried = Unreported(), [set(), set(), set()]

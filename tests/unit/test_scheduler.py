@@ -9,11 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.executor.engine.errors import QueueFullError
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.scheduling.scheduler import Scheduler
-from services.executor.engine.scheduling.sequence import Sequence, Status
+from shared.core.errors import QueueFullError
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import PageLedger
+from shared.core.scheduling.scheduler import Scheduler
+from shared.core.scheduling.sequence import Sequence, Status
 from shared.sampling import SamplingOptions
 
 BLOCK = 4

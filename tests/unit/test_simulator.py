@@ -15,22 +15,22 @@ import pytest
 from services.tools.bench.client import ClusterSample
 from services.tools.bench.metrics import percentile, timeline
 from services.tools.bench.trace import TraceRequest
-from services.controller.dispatch import sendable
-from services.controller.policies import morph
-from services.controller.policies.interface import PlannedCommand
-from services.executor.engine.errors import QueueFullError
 from services.tools.simulator import executor as simulated_executor
 from services.tools.simulator import run as simulate_cli
 from services.tools.simulator import tp
-from services.monitor.aggregate import ClusterView
 from services.tools.simulator.cluster import SimSettings, Simulation, traffic_turns
 from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.tools.simulator.fidelity import compare
 from services.tools.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
+from shared.core.dispatch import sendable
+from shared.core.errors import QueueFullError
+from shared.core.monitor.aggregate import ClusterView
+from shared.core.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
+from shared.core.policies import morph
+from shared.core.policies.interface import PlannedCommand
 from shared.messages import (BatchArgs, EvictArgs, ExecutorTelemetry, QuantizeArgs, ReplicateArgs, RestoreArgs,
                              TpMergeArgs)
-from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
 
 PAGE = 737_280
 SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
@@ -473,7 +473,7 @@ def test_the_simulator_runs_the_controllers_own_policy_not_a_copy(tmp_path, monk
     monkeypatch.setattr(morph, "plan", lambda *a, **k: calls.append(a[0].time) or real(*a, **k))
     fleet = read_fleet(write_fleet(tmp_path, pages=720))
     Simulation(fleet, SimSettings(controller=ControllerConfig(levers=("quantize",)))).run(burst(10))
-    assert calls  # the ladder reached services/controller/policies/morph.py itself
+    assert calls  # the ladder reached shared/core/policies/morph.py itself
     # ...and no file of the simulator defines a function of the pieces it must import.
     owned = {"plan", "make_policy", "choose_executor", "serving", "observe", "state", "schedule", "sendable",
              "pages_growth", "advance", "splits", "at_rest", "shape", "cluster_body"}

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from shared.speedup import (DEFAULT_PROFILE, Line, SpeedupProfile, SpeedupProfileError,
+from shared.core.speedup import (DEFAULT_PROFILE, Line, SpeedupProfile, SpeedupProfileError,
                                                   Strategy, compute_time, delta, gamma, predict, speedup, speedup_eq4,
                                                   speedup_homogeneous, speedup_with_overhead, transfer_time)
 

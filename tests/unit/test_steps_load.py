@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.executor.engine.scheduling.phases import LatencyReports, StepsLoad
-from shared.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
+from shared.core.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency
+from shared.core.scheduling.phases import LatencyReports, StepsLoad
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_kv_heads": 2}
 

@@ -4,12 +4,12 @@ tp_split."""
 
 import pytest
 
-from services.controller.policies.amoebas import splits
 from services.gateway import admin, tp_merges
 from services.gateway.openai_api import ApiError
 from shared.config import ControllerConfig
+from shared.core.policies.amoebas import splits
+from shared.core.tp_scheduler import Merge, decide, instances_from, world_allows
 from shared.messages import InstancePlan, KvUnits, LayerPlan, TpSplitArgs
-from shared.tp_scheduler import Merge, decide, instances_from, world_allows
 from tests.unit.test_router import executor, state
 
 WORLD = ["exec0", "exec1", "exec2", "exec3"]

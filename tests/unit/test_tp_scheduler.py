@@ -5,7 +5,7 @@ merged instance drains and splits."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.tp_scheduler import (Instance, Member, Merge, Refuse, Route, SchedulerState, capacity, decide,
+from shared.core.tp_scheduler import (Instance, Member, Merge, Refuse, Route, SchedulerState, capacity, decide,
                                  heads_per_rank, split_due)
 
 BS = 16

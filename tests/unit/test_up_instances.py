@@ -167,7 +167,7 @@ def test_the_latency_profile_goes_to_every_executor_as_an_absolute_path_and_a_ba
 
 def test_the_executors_default_to_the_shipped_latency_profile_where_it_fits_and_none_turns_it_off():
     from services.executor.service import SHIPPED_LATENCY_PROFILES, latency_profile_path
-    from shared.planner.shapes import SHAPES
+    from shared.core.planner.shapes import SHAPES
 
     assert all("--latency-profile" not in executor_args(parse_args(["--executors", "2"]), NATS, i) for i in range(2))
     assert flag(executor_args(parse_args(["--latency-profile", "none"]), NATS, 0), "--latency-profile") == "none"

@@ -14,11 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.errors import DuplicateRequestError, KvCapacityError
 from services.executor.engine.graphs import DecodeGraphs, warm_linears
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import LedgerSnapshot
 from services.executor.engine.model.decoder import DecoderModel, layer_layout
 from services.executor.engine.model.loader import load_checkpoint, resolve_model_path
 from services.executor.engine.model.tokenizer import Tokenizer
@@ -28,14 +25,17 @@ from services.executor.engine.runner import ModelRunner
 from services.executor.engine.scheduling import handover
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
-from services.executor.engine.scheduling.phases import StepsLoad, phases
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
-from services.executor.engine.scheduling.scheduler import Scheduler
-from services.executor.engine.scheduling.sequence import Sequence, Status
 from services.executor.fabric.leader import InstanceRunner
 from services.executor.fabric.member import InstanceMember, Seat
 from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
+from shared.core.errors import DuplicateRequestError, KvCapacityError
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import LedgerSnapshot
+from shared.core.scheduling.phases import StepsLoad, phases
+from shared.core.scheduling.scheduler import Scheduler
+from shared.core.scheduling.sequence import Sequence, Status
 from shared.errors import InvalidCommandError, InvalidRequestError
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, ResumedCompletion
 from shared.sampling import SamplingOptions

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from services.executor.engine.model.decoder import (LINEARS, DecodeGroup, DecoderModel, ForwardBatch, layer_layout,
                                                     linear, slot_views)
-from services.executor.engine.scheduling.scheduler import ScheduledChunk
+from shared.core.scheduling.scheduler import ScheduledChunk
 
 
 @torch.inference_mode()

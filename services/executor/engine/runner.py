@@ -5,7 +5,7 @@ import torch
 from kernels.block_copy import copy_blocks
 from services.executor.engine.graphs import DecodeGraphs
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+from shared.core.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 
 # Decode attention gathers every sequence's context padded to the longest in its group; a new group
 # starts where padding would exceed this share of a sequence's context. Each group costs a few more

@@ -9,11 +9,11 @@ request's KV for a range is remembered here (`sticky`, per segment), and reshape
 import torch
 
 from services.executor.engine.runner import ModelRunner, batch_order
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.member import InstanceMember
-from services.executor.fabric.replicas import assign_replicas, rows_by_replica
+from shared.core.replicas import assign_replicas, rows_by_replica
+from shared.core.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 
 

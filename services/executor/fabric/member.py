@@ -9,7 +9,7 @@ the leader's scheduler allocates for all of them and no page is ever asked of a 
 
 A step, leader and followers in lock-step (the leader sends the StepPlan first, step.py):
   embed (the leader; in a TP instance every member, so that no hidden state needs sending)
-  for each segment (a run of layers computed by the same members, shared/plans.py):
+  for each segment (a run of layers computed by the same members, shared/core/plans.py):
     TP shards:  every member runs its shard; o_proj and down_proj outputs are all-reduced
     one member: it runs the layers (the leader sends it the hidden states and gets them back: a hop)
     replicas:   the leader scatters each replica's rows, runs its own, gathers the rest
@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
-from services.executor.engine.memory.ledger import LedgerSnapshot, PageLedger
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk, layer_layout
 from services.executor.engine.morphing.swapper import LayerSwapper
@@ -36,8 +35,9 @@ from services.executor.fabric import step as wire
 from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, LeaderLeft, World, checked
 from shared.config import EngineConfig
+from shared.core.memory.ledger import LedgerSnapshot, PageLedger
+from shared.core.plans import Segment, layers_on, quantized_layers, segments
 from shared.messages import InstancePlan
-from shared.plans import Segment, layers_on, quantized_layers, segments
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from services.executor.engine.model.loader import load_checkpoint
 from services.executor.fabric.member import InstanceMember, Seat
 from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
+from shared.core.plans import instance_plans, plan_of
 from shared.messages import InstancePlan
 from shared.net import free_port
-from shared.plans import instance_plans, plan_of
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.model.decoder import load_layer, slot_views
 from services.executor.engine.morphing.variants import quantize_layer
-from services.executor.engine.scheduling.scheduler import Scheduler
 from services.executor.fabric import step as wire
-from services.executor.fabric.replicas import KvMove, reassign
+from shared.core.errors import EngineError, OutOfPagesError
+from shared.core.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments, with_bits
+from shared.core.replicas import KvMove, reassign
+from shared.core.scheduling.scheduler import Scheduler
 from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
-from shared.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments, with_bits
 
 if TYPE_CHECKING:
     from services.executor.fabric.member import InstanceMember

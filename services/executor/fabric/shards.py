@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.decoder import even_ranges, ffn_piece_width, pad_channels
-from shared.plans import FFN_PIECES
+from shared.core.errors import ModelLoadError
+from shared.core.plans import FFN_PIECES
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from services.executor.engine.errors import EngineError
+from shared.core.errors import EngineError
 from shared.messages import InstancePlan
 
 log = logging.getLogger(__name__)

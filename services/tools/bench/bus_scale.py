@@ -25,9 +25,9 @@ from pathlib import Path
 
 import psutil
 
+from services.supervisor import Cluster
 from services.tools.bench.bus_load import BenchBusError, Publishers, executor_names
 from services.tools.bench.metrics import percentile
-from services.supervisor import Cluster
 from shared import subjects
 from shared.bus import Bus, BusError, Incoming
 from shared.messages import ClusterState, Event

@@ -24,10 +24,10 @@ from services.tools.bench.client import replay, served_model, tokenized_prompts
 from services.tools.bench.metrics import percentile, summarize
 from services.tools.bench.prompts import read_texts
 from services.tools.bench.system import UpProcess
-from shared.provenance import provenance
 from services.tools.bench.trace import TraceRequest
 from shared.config import PROJECT_ROOT, data_dir
 from shared.net import free_port
+from shared.provenance import provenance
 
 CONFIGS = {"static": "off", "cocoserve": "default"}
 

@@ -23,10 +23,10 @@ from services.tools.bench.client import ClusterSample, RequestRecord, replay, se
 from services.tools.bench.metrics import percentile
 from services.tools.bench.prompts import read_texts
 from services.tools.bench.system import UpProcess
-from shared.provenance import provenance
 from services.tools.bench.trace import TraceRequest
 from shared.config import data_dir
 from shared.net import free_port
+from shared.provenance import provenance
 
 STRATEGIES = ("amoebas", "rr", "llf")
 

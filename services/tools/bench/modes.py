@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import LEVERS, parse_size
-from shared.planner.shapes import SHAPES, ModelShape
+from shared.core.planner.shapes import SHAPES, ModelShape
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from services.executor.fabric.transform import merge, split
 from services.executor.fabric.world import World, WorldSettings
 from services.tools.microbench.prompts import sharegpt_prompts
 from shared.config import EngineConfig, data_dir, parse_size
+from shared.core.plans import instance_plans
 from shared.net import free_port
-from shared.plans import instance_plans
 from shared.sampling import SamplingOptions
 
 MEMBERS = ["exec0", "exec1"]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.planner.shapes import SHAPES
+from shared.core.planner.shapes import SHAPES
 from shared.provenance import provenance
 
 ROWS = (1, 4, 16, 64, 256)

@@ -23,9 +23,9 @@ from services.executor.engine.engine import LLMEngine
 from services.executor.fabric.offline import Shape, instance_engine
 from services.tools.microbench.prompts import sharegpt_prompts
 from shared.config import EngineConfig, data_dir, parse_size
+from shared.core.speedup import SpeedupProfile, Strategy, speedup, speedup_eq4, speedup_with_overhead
 from shared.messages import EvictArgs, MigrateArgs, ReplicateArgs
 from shared.sampling import SamplingOptions
-from shared.speedup import SpeedupProfile, Strategy, speedup, speedup_eq4, speedup_with_overhead
 
 OPERATIONS = ("replicate", "evict", "migrate", "migrate back")
 

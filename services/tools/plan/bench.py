@@ -20,14 +20,14 @@ from pathlib import Path
 from services.tools.plan.run import analytic_omega
 from services.tools.plan.run import main as plan_main
 from shared.config import RESULTS_DIR
-from shared.planner import heuristic, ilp
-from shared.planner.devices import parse_devices
-from shared.planner.latency import load_profile
-from shared.planner.memory import PaperMemory, Workload
-from shared.planner.problem import Costs, build, evaluate
-from shared.planner.roofline import RooflineLatency
-from shared.planner.search import Request, het, reference_latency, search, uniform
-from shared.planner.shapes import SHAPES
+from shared.core.planner import heuristic, ilp
+from shared.core.planner.devices import parse_devices
+from shared.core.planner.latency import load_profile
+from shared.core.planner.memory import PaperMemory, Workload
+from shared.core.planner.problem import Costs, build, evaluate
+from shared.core.planner.roofline import RooflineLatency
+from shared.core.planner.search import Request, het, reference_latency, search, uniform
+from shared.core.planner.shapes import SHAPES
 from shared.provenance import provenance
 
 THETA = 0.1

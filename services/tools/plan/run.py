@@ -22,13 +22,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from shared.config import RESULTS_DIR
-from shared.planner.devices import ClusterError, Device, describe, parse_devices, read_cluster
-from shared.planner.latency import FittedLatency, LatencyError, load_profile
-from shared.planner.memory import FULL_BITS, ArenaMemory, PaperMemory, Workload
-from shared.planner.problem import Costs, LayerLatency
-from shared.planner.roofline import RooflineLatency
-from shared.planner.search import SOLVERS, Infeasible, Plan, Request, het, reference_latency, search, uniform
-from shared.planner.shapes import SHAPES, ModelShape
+from shared.core.planner.devices import ClusterError, Device, describe, parse_devices, read_cluster
+from shared.core.planner.latency import FittedLatency, LatencyError, load_profile
+from shared.core.planner.memory import FULL_BITS, ArenaMemory, PaperMemory, Workload
+from shared.core.planner.problem import Costs, LayerLatency
+from shared.core.planner.roofline import RooflineLatency
+from shared.core.planner.search import SOLVERS, Infeasible, Plan, Request, het, reference_latency, search, uniform
+from shared.core.planner.shapes import SHAPES, ModelShape
 
 DEFAULT_WORKLOAD = Workload(batch=32, prompt=512, output=128)
 DEFAULT_THETA = 0.1
@@ -92,7 +92,7 @@ class Checkpoint:
     only, so that planning for a named shape needs no model)."""
 
     def __init__(self, model: str, block_size: int = 16):
-        from services.executor.engine.errors import ModelLoadError
+        from shared.core.errors import ModelLoadError
         from services.executor.engine.model.loader import load_checkpoint
 
         self.model, self.block_size = model, block_size
@@ -101,7 +101,7 @@ class Checkpoint:
         except (OSError, ValueError, ModelLoadError) as exc:
             raise PlanInputError(f"--model {model}: not a checkpoint or a known shape ({', '.join(SHAPES)}): "
                                  f"{exc}") from exc
-        from shared.planner.shapes import from_config
+        from shared.core.planner.shapes import from_config
 
         self.shape = from_config(model, self.config)
 

@@ -53,8 +53,8 @@ from tqdm import tqdm
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import LINEARS, DecoderModel, fused_ffn, int4_group_of, rms_norm, rotate
-from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 from services.executor.engine.morphing.importance import WINDOW, fingerprint, load_tokens, write_json
+from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 from services.executor.engine.morphing.simulated import SimulatedQuantization, require_full_precision
 from services.executor.engine.morphing.variants import DEFAULT_CORPUS
 from services.tools.evaluate import evaluate, perplexity

@@ -1,6 +1,6 @@
 """`morphling profile --latency`: the coefficients of SplitQuant's latency cost model (§IV-A) for this machine.
 
-The model (shared/planner/latency.py) predicts the seconds of one decoder layer in each phase at
+The model (shared/core/planner/latency.py) predicts the seconds of one decoder layer in each phase at
 each precision; its coefficients are fitted here from times measured with the real engine. A layer is timed
 as the engine runs it: `DecoderModel.run_layers` over the ForwardBatch the runner builds from the
 scheduler's chunks, with every layer at the measured precision (set by the engine's swapper; 16 stands for
@@ -29,7 +29,7 @@ DECODE_FEATURES). Held-out points off the grid, batches and lengths between the 
 The default grid takes about ten minutes for SmolLM2-135M on two shared CPU cores (one torch thread, every layer
 timed; two minutes timing four).
 
-Written as JSON (shared/planner/latency.py load_profile reads it) with a PNG of predicted
+Written as JSON (shared/core/planner/latency.py load_profile reads it) with a PNG of predicted
 against measured beside it:
 
   {"kind": "latency-profile", "device", "model", "shape": {hidden_size, intermediate_size, num_heads,
@@ -56,13 +56,13 @@ from tqdm import tqdm
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import ForwardBatch
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from services.executor.engine.morphing.importance import write_json
 from services.tools.profile.speedup import ProfileError, decoding, positive
 from services.tools.shapes import SHAPES, ensure_checkpoint
 from shared.config import RESULTS_DIR, EngineConfig, parse_size, served_model_name
-from shared.planner.devices import table_name
-from shared.planner.latency import FEATURES, FittedLatency, fit, fit_error
+from shared.core.planner.devices import table_name
+from shared.core.planner.latency import FEATURES, FittedLatency, fit, fit_error
+from shared.core.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from shared.provenance import provenance
 from shared.sampling import SamplingOptions
 

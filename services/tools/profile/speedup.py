@@ -22,7 +22,7 @@ each line was fitted to, so fit_line(samples[k]) gives the line back; "step" hol
 steps (a whole step is about the overhead plus num_layers times the layer time at the same t).
 
 The deployments this models run two executors on one machine's cores, so every measurement runs with
-`--threads` torch threads (half the cores by default). Written as JSON (services/controller/policies/speedup.py
+`--threads` torch threads (half the cores by default). Written as JSON (shared/core/policies/speedup.py
 loads it) with a PNG of the points and lines beside it:
 
   {"kind": "speedup-profile", "model", "device", "threads", "num_layers", "hidden_size", "dtype_bytes",
@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.fabric.world import World, WorldSettings, checked
 from services.executor.engine.morphing.importance import write_json
+from services.executor.fabric.world import World, WorldSettings, checked
 from shared.config import RESULTS_DIR, EngineConfig, parse_size
+from shared.core.speedup import Line
 from shared.net import free_port
 from shared.sampling import SamplingOptions
-from shared.speedup import Line
 
 DEFAULT_OUT = RESULTS_DIR / "speedup_profile.json"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)

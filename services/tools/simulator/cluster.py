@@ -21,7 +21,7 @@ that do, all imported from the services:
   costs.swap_seconds says (the executor steps nothing meanwhile, as the engine thread is busy swapping), and
   its answer returns after `bus_latency_s` more.
 - a request longer than its instance holds even empty (the executor's KV_CAPACITY refusal) goes to the
-  gateway's AMOEBAs merge scheduler (merges.py, over gateway/tp_merges.py's and shared/tp_scheduler.py's
+  gateway's AMOEBAs merge scheduler (merges.py, over gateway/tp_merges.py's and shared/core/tp_scheduler.py's
   decisions): it waits for the merge that holds it, whose tp_merge every member takes at its own step
   boundary; the merge happens once the last of them is there (the collective), and the request is admitted
   on the merged leader once the monitor's state shows it.
@@ -41,28 +41,28 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from services.tools.bench.client import CLUSTER_POLL_S
-from services.tools.bench.trace import TraceRequest
-from services.controller.dispatch import sendable
 from services.controller.loop import Controller
-from services.controller.policies import ladder
-from services.controller.policies.interface import PlannedCommand
+from services.gateway.admin import cluster_body
+from services.tools.bench.client import CLUSTER_POLL_S
 from services.tools.bench.modes import spare_plan
 from services.tools.bench.rest import at_rest, shape
-from services.executor.engine.errors import KvCapacityError, QueueFullError
-from services.gateway.admin import cluster_body
-from services.gateway.router import Unreported, choose_executor, prompt_pages
-from services.monitor.aggregate import ClusterView
-from services.monitor.held import HeldReports
-from services.monitor.pace import pace
+from services.tools.bench.trace import TraceRequest
 from services.tools.simulator import tp
 from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
 from services.tools.simulator.fleet import Fleet
 from services.tools.simulator.instance import SimInstance
 from services.tools.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
+from shared.core.dispatch import sendable
+from shared.core.errors import KvCapacityError, QueueFullError
+from shared.core.monitor.aggregate import ClusterView
+from shared.core.monitor.held import HeldReports
+from shared.core.monitor.pace import pace
+from shared.core.plans import parse_plans
+from shared.core.policies import ladder
+from shared.core.policies.interface import PlannedCommand
+from shared.core.router import Unreported, choose_executor, prompt_pages
 from shared.messages import ClusterState, Event, ExecutorTelemetry, InstancePlan, TpMergeArgs
-from shared.plans import parse_plans
 
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
 

@@ -1,8 +1,8 @@
 """What simulated work takes, in seconds, from the calibrated cost models.
 
 - A step: every decoder layer's time at its bits from the executor's latency model (SplitQuant's, §IV-A:
-  a measured profile, shared/planner/latency.py, or the roofline of the device's datasheet,
-  shared/planner/roofline.py), plus the rest of the step (embedding, logits, sampling) from the speed-up
+  a measured profile, shared/core/planner/latency.py, or the roofline of the device's datasheet,
+  shared/core/planner/roofline.py), plus the rest of the step (embedding, logits, sampling) from the speed-up
   profile's overhead line. The step's decodes are one decode batch of v sequences at their mean context, and
   its prefill chunks one prefill batch of as many sequences at their mean length: the engine packs a step's
   chunks into one forward pass (engine/runner.py), and the profile times prompts in batches. A mixed step is
@@ -23,12 +23,12 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from services.executor.engine.scheduling.phases import phases
-from services.executor.engine.scheduling.scheduler import ScheduledChunk
 from services.tools.simulator.fleet import ExecutorSpec
-from shared.planner.memory import weight_bytes
-from shared.planner.roofline import MEMORY_EFFICIENCY
-from shared.planner.shapes import ModelShape
+from shared.core.planner.memory import weight_bytes
+from shared.core.planner.roofline import MEMORY_EFFICIENCY
+from shared.core.planner.shapes import ModelShape
+from shared.core.scheduling.phases import phases
+from shared.core.scheduling.scheduler import ScheduledChunk
 
 
 def phase_seconds(spec: ExecutorSpec, bits: int, decodes: int, context: int, prefills: list[int]) -> float:

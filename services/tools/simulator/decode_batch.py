@@ -29,11 +29,11 @@ beside simulations that take them.
 import heapq
 from collections.abc import Callable
 
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
-from services.executor.engine.scheduling.sequence import Sequence, Status
 from services.tools.simulator.replica_rows import ReplicaRows
+from shared.core.memory.block_manager import BlockManager
+from shared.core.scheduling.growth import pages_growth
+from shared.core.scheduling.scheduler import Scheduler, SchedulerOutput
+from shared.core.scheduling.sequence import Sequence, Status
 
 Written = Callable[[Sequence, int, float], None]  # (sequence, tokens written, when the last came): its request's
 

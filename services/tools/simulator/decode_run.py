@@ -29,10 +29,10 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.scheduler import Scheduler
-from services.executor.engine.scheduling.sequence import Sequence, Status
 from services.tools.simulator.decode_batch import DecodeBatch
+from shared.core.memory.block_manager import BlockManager
+from shared.core.scheduling.scheduler import Scheduler
+from shared.core.scheduling.sequence import Sequence, Status
 
 MAX_RUN_STEPS = 64  # what a cut may throw away: the steps past it are timed for nothing
 

@@ -32,16 +32,6 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from services.executor.admission import Departures, admits, queue_wait_s, waiting_ahead
-from services.executor.engine.errors import KvCapacityError, OutOfPagesError, QueueFullError
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
-from services.executor.engine.scheduling.growth import pages_growth
-from services.executor.engine.scheduling.phases import LatencyReports, StepsLoad
-from services.executor.engine.scheduling.scheduler import Scheduler, SchedulerOutput
-from services.executor.engine.scheduling.sequence import Sequence
-from services.executor.latency import BusyWindow, FinishedSamples, LatencyWindow
 from services.tools.simulator import costs, decode_run
 from services.tools.simulator.decode_batch import DecodeBatch
 from services.tools.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
@@ -49,6 +39,20 @@ from services.tools.simulator.instance import SimulatedRefusal, swap
 from services.tools.simulator.member import MemberArena
 from services.tools.simulator.tokens import CountedTokens
 from shared.config import ExecutorConfig
+from shared.core.admission import Departures, admits, queue_wait_s, waiting_ahead
+from shared.core.errors import KvCapacityError, OutOfPagesError, QueueFullError
+from shared.core.latency import BusyWindow, FinishedSamples, LatencyWindow
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import PageLedger
+from shared.core.planner.memory import FULL_BITS, weight_bytes
+from shared.core.planner.shapes import ModelShape
+from shared.core.plans import alone, alone_id
+from shared.core.roles import refusal, role_of
+from shared.core.scheduling.growth import pages_growth
+from shared.core.scheduling.phases import LatencyReports, StepsLoad
+from shared.core.scheduling.scheduler import Scheduler, SchedulerOutput
+from shared.core.scheduling.sequence import Sequence
+from shared.core.slots import SwapRefused, next_layers, slot_moves
 from shared.messages import (
     BatchArgs,
     CommandArgs,
@@ -64,9 +68,6 @@ from shared.messages import (
     TpSplitArgs,
     pressure_events,
 )
-from shared.planner.memory import FULL_BITS, weight_bytes
-from shared.planner.shapes import ModelShape
-from shared.plans import alone, alone_id
 from shared.sampling import SamplingOptions
 
 LATENCY_WINDOW_S = ExecutorConfig.latency_window_s  # the telemetry's mean TTFT, TPOT and queue delay
@@ -541,21 +542,18 @@ class SimExecutor(MemberArena):
         """Apply a command between two steps: (the result's state, the seconds it took). Refuses with
         SimulatedRefusal, changing nothing, as the executor would (services/executor/service.py)."""
         self.release_batch()  # its tokens were of the layers' bits until now, and the sequences may move
-        if self.group is not None and self.group.plan.leader != self.id:
-            raise SimulatedRefusal(f"{args.kind} refused: {self.id} is a member of instance {self.group.plan.id}, "
-                                   f"which morphs as a whole: send it to its leader {self.group.plan.leader}")
+        plan = self.group.plan if self.group is not None else None
+        role = role_of(in_instance=plan is not None, leads=plan is None or plan.leader == self.id,
+                       merged=plan is not None and plan.merged)
+        if (why := refusal(role, args.kind, self.id, plan.id if plan else None, plan.leader if plan else None)):
+            raise SimulatedRefusal(f"{args.kind} refused: {why}")
         if isinstance(args, TpSplitArgs):
-            if self.group is None or not self.group.plan.merged or self.group.plan.id != args.instance:
-                raise SimulatedRefusal(f"tp_split refused: {self.id} leads no instance {args.instance!r} formed by "
-                                       f"tp_merge: it has nothing to split back into")
+            if plan.id != args.instance:
+                raise SimulatedRefusal(f"tp_split refused: {self.id} leads instance {plan.id!r}, not {args.instance!r}")
             return self.group.split()
         if isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
             return self._instance_command(args)
         if self.group is not None and isinstance(args, (QuantizeArgs, RestoreArgs)):
-            if self.group.plan.merged:
-                raise SimulatedRefusal(f"{args.kind} refused: instance {self.group.plan.id} is a TP merge, which "
-                                       f"serves at the bits its layers had when it formed: {args.kind} it after "
-                                       f"its split")
             return swap(self.group, args)
         if isinstance(args, QuantizeArgs):
             layers = self._next_layers(args.layers, args.bits)
@@ -573,9 +571,6 @@ class SimExecutor(MemberArena):
         instance = self.group.plan.id if self.group is not None else (self.plan.id if self.plan else alone_id(self.id))
         if args.instance != instance:
             raise SimulatedRefusal(f"{args.kind} refused: {self.id} leads instance {instance!r}, not {args.instance!r}")
-        if self.group is not None and self.group.plan.merged:
-            raise SimulatedRefusal(f"{args.kind} refused: instance {instance} is a TP merge, which serves at the bits "
-                                   f"its layers had when it formed: {args.kind} it after its split")
         if isinstance(args, BatchArgs):
             if not 1 <= args.max_num_seqs <= self.limits.max_num_seqs:
                 raise SimulatedRefusal(f"batch refused: max_num_seqs must be between 1 and {self.limits.max_num_seqs} "

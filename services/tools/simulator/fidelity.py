@@ -16,14 +16,14 @@ import itertools
 import statistics
 from collections import Counter
 
-from services.executor.engine.scheduling.scheduler import ScheduledChunk
-from services.executor.engine.scheduling.sequence import Sequence
 from services.tools.simulator import tp
 from services.tools.simulator.costs import step_seconds
 from services.tools.simulator.executor import SimExecutor
 from services.tools.simulator.fleet import ExecutorSpec, Fleet, FleetError
+from shared.core.planner.memory import FULL_BITS
+from shared.core.scheduling.scheduler import ScheduledChunk
+from shared.core.scheduling.sequence import Sequence
 from shared.messages import TpMergeArgs
-from shared.planner.memory import FULL_BITS
 from shared.sampling import SamplingOptions
 
 KEYS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p99", "slo_violation_pct")

@@ -11,13 +11,13 @@ A fleet file is JSON:
                 "max_model_len": 8192},
      "swap_s_per_layer": {"quantize": 0.0037, "restore": 0.0034}}
 
-- `model` is a shape the planner knows (shared/planner/shapes.py); "default" is SmolLM2-135M, the model
+- `model` is a shape the planner knows (shared/core/planner/shapes.py); "default" is SmolLM2-135M, the model
   `morphling up` serves. An executor entry may name its own `model` (and `tp`), so that one fleet serves
   several models side by side, each world one of them (a host's executors serve one model, as `up` starts
   them); `traffic` then says what share of the trace's requests each model takes
   (`{"llama-3-8b": 3, "llama-3-70b": 1}`: relative weights). The gateway routes a request to the executors
   serving the model it names.
-- Each executor entry is `count` executors of one device of the devices table (shared/planner/devices.py),
+- Each executor entry is `count` executors of one device of the devices table (shared/core/planner/devices.py),
   named exec0, exec1, ... in file order. `memory` is its arena (decoder layers and KV), as `--memory-budget`
   gives it; without it, the device's usable memory less the embeddings and LM head, which live outside the
   arena. Paths are relative to the fleet file. `latency_profile` is a `morphling profile --latency` JSON
@@ -26,7 +26,7 @@ A fleet file is JSON:
   (embedding, logits, sampling); without one it is the LM head's roofline. `reports_latency` (with a
   `latency_profile`): its executors are given that profile, and report in their telemetry a layer's seconds at
   each width over their recent steps (`layer_seconds`), which the morph rung reads before it quantizes for a
-  queue (services/controller/policies/morph.py). Without it they report none, as `morphling up`'s executors
+  queue (shared/core/policies/morph.py). Without it they report none, as `morphling up`'s executors
   do without `--latency-profile`.
   `dtype_bytes`: 4 on cpu (float32), else 2 (bfloat16), as `morphling up` serves.
 - `engine` overrides EngineConfig's limits, the same for every executor.
@@ -59,14 +59,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shared.config import EngineConfig
+from shared.core.planner.devices import ClusterError, Device
+from shared.core.planner.devices import device as read_device
+from shared.core.planner.latency import FittedLatency, LatencyError, load_profile
+from shared.core.planner.roofline import RooflineLatency
+from shared.core.planner.shapes import SHAPES, ModelShape
+from shared.core.plans import FULL_BITS, PlanError, tp_plans
+from shared.core.speedup import Line, SpeedupProfile, SpeedupProfileError
 from shared.messages import InstancePlan
-from shared.planner.devices import ClusterError, Device
-from shared.planner.devices import device as read_device
-from shared.planner.latency import FittedLatency, LatencyError, load_profile
-from shared.planner.roofline import RooflineLatency
-from shared.planner.shapes import SHAPES, ModelShape
-from shared.plans import FULL_BITS, PlanError, tp_plans
-from shared.speedup import Line, SpeedupProfile, SpeedupProfileError
 
 DEFAULT_MODEL = "smollm2-135m"
 ENGINE_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "max_model_len")

@@ -8,7 +8,7 @@ as the member with the fewest pages outside its slots can back (K), numbered by 
 above K are withdrawn; a member's pages neither in a slot nor backing a block are its `spare_pages`. The
 leader's scheduler allocates block ids; each member maps them to pages of its own arena.
 
-An operation (replicate, migrate, evict) applies as reshape.lead does: the plan shared/plans.reshaped gives,
+An operation (replicate, migrate, evict) applies as reshape.lead does: the plan shared/core/plans.reshaped gives,
 the block count the members can back afterwards (refused, with nothing changed, below one longest sequence or
 when the live blocks cannot move below it), the replicas each request keeps (fabric/replicas.reassign, whose
 KV moves say which rows travel), then per member: slots taken back for the layers it gains (the blocks in
@@ -16,7 +16,7 @@ them moved out first) and released for those it loses. Its seconds: costs.operat
 quantize or restore, which the leader takes for the instance as a whole) goes the same way with the plan's
 `with_bits`: every member holding a layer resizes its slot (`swap`), here and in an instance started at TP.
 
-A step, segment by segment (shared/plans.segments), as the fabric runs it:
+A step, segment by segment (shared/core/plans.segments), as the fabric runs it:
 - layers one member computes: their time at their bits over the whole batch on that member (latency model),
   plus a hop there and one back when that member is not the leader;
 - replicated layers: the batch split by fabric/replicas.assign_replicas (a request keeps its replica, a new
@@ -27,17 +27,17 @@ A step, segment by segment (shared/plans.segments), as the fabric runs it:
 
 from collections.abc import Callable, Iterable, Iterator
 
-from services.executor.engine.errors import OutOfPagesError
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.scheduling.phases import Phases
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
-from services.executor.fabric.replicas import assign_replicas, reassign
 from services.tools.simulator import costs
 from services.tools.simulator.decode_batch import DecodeBatch
 from services.tools.simulator.replica_rows import ReplicaRows
+from shared.core.errors import OutOfPagesError
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import PageLedger
+from shared.core.plans import FULL_BITS, OperationRefused, Segment, layers_on, reshaped, segments, with_bits
+from shared.core.replicas import assign_replicas, reassign
+from shared.core.scheduling.phases import Phases
+from shared.core.scheduling.scheduler import ScheduledChunk, Scheduler
 from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
-from shared.plans import FULL_BITS, OperationRefused, Segment, layers_on, reshaped, segments, with_bits
 
 Operation = ReplicateArgs | MigrateArgs | EvictArgs
 

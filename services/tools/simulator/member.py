@@ -6,11 +6,11 @@ them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`,
 
 from array import array
 
-from services.executor.engine.memory.ledger import LedgerSnapshot
-from services.executor.engine.morphing.slots import slot_moves
 from services.tools.simulator.tp import ffn_pages_freed
+from shared.core.memory.ledger import LedgerSnapshot
+from shared.core.slots import slot_moves
+from shared.core.tp_scheduler import MAX_TP
 from shared.messages import KvUnits
-from shared.tp_scheduler import MAX_TP
 
 
 class MemberArena:

@@ -8,11 +8,11 @@ little later; a merge goes to every member, and once they answer, the request wa
 to show the merged instance (at most SHOWN_WAIT_S) and is admitted on its leader.
 """
 
-from services.controller.policies.interface import PlannedCommand
 from services.gateway.tp_merges import SHOWN_WAIT_S, MergeScheduler, allowed_in, merge_refusal, merged_id, shown
 from services.tools.simulator.executor import SimRequest
+from shared.core.policies.interface import PlannedCommand
+from shared.core.tp_scheduler import Merge, Refuse, Route, SchedulerState, decide, instances_from
 from shared.messages import TpMergeArgs
-from shared.tp_scheduler import Merge, Refuse, Route, SchedulerState, decide, instances_from
 
 POLL_S = 0.05  # the gateway's, between looks at the state
 STRATEGY = "amoebas"

@@ -8,7 +8,7 @@ members join and leave the batch (instance.py times its steps from them). Every 
 step of its first chunk gave it one, and a reshape gives one to every request holding KV (replicas.reassign).
 """
 
-from services.executor.engine.scheduling.sequence import Sequence
+from shared.core.scheduling.sequence import Sequence
 
 
 class ReplicaRows:

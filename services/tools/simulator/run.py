@@ -51,9 +51,9 @@ from services.tools.bench.sweep import sweep, sweep_keys
 from services.tools.bench.trace import TraceError, TraceRequest, read_rows
 from services.tools.bench.windows import median_rate, pick_windows, rate_scale_for, requests_in
 from services.tools.simulator.cluster import SimRun, SimSettings, Simulation, no_cycle_collection
+from services.tools.simulator.executor import SimRequest
 from services.tools.simulator.fidelity import (decode_steps, fidelity, print_decode_steps, print_errors, print_fidelity,
                                         print_tp_steps, tp_steps)
-from services.tools.simulator.executor import SimRequest
 from services.tools.simulator.fleet import DEFAULT_MODEL, Fleet, FleetError, read_fleet
 from services.tools.simulator.shards import deal, play_sharded
 from shared.config import ControllerConfig, MonitorConfig, data_dir

@@ -24,9 +24,9 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from services.tools.bench.trace import TraceRequest
-from services.monitor.pace import pace
 from services.tools.simulator.cluster import SimRun, SimSettings, Simulation, in_time_order
 from services.tools.simulator.fleet import Fleet, FleetError
+from shared.core.monitor.pace import pace
 
 Play = Callable[[Simulation, list[TraceRequest], str], SimRun]  # a window played on a simulation, with a label
 

@@ -24,17 +24,17 @@ import functools
 from collections.abc import Callable
 from dataclasses import replace
 
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.scheduling.scheduler import ScheduledChunk, Scheduler
 from services.executor.fabric.shards import ffn_shard, head_shards
 from services.tools.simulator import costs
 from services.tools.simulator.instance import SimulatedRefusal
+from shared.core.memory.block_manager import BlockManager
+from shared.core.memory.ledger import PageLedger
+from shared.core.planner.memory import weight_bytes
+from shared.core.planner.shapes import ModelShape
+from shared.core.plans import alone, reshaped
+from shared.core.scheduling.scheduler import ScheduledChunk, Scheduler
+from shared.core.tp_scheduler import MAX_TP, Member, capacity, world_allows
 from shared.messages import InstancePlan, LayerPlan, TpMergeArgs
-from shared.planner.memory import weight_bytes
-from shared.planner.shapes import ModelShape
-from shared.plans import alone, reshaped
-from shared.tp_scheduler import MAX_TP, Member, capacity, world_allows
 
 
 class SimulatedTpRefusal(SimulatedRefusal):
@@ -153,7 +153,7 @@ class SimTpInstance:
 
     def reshape(self, op) -> tuple[dict, float]:
         reshaped(self.plan, op)  # refuses a TP instance's layer operations (OperationRefused)
-        raise AssertionError("shared.plans.reshaped accepted an operation on a TP instance")
+        raise AssertionError("shared.core.plans.reshaped accepted an operation on a TP instance")
 
     def step_seconds(self, chunks: list[ScheduledChunk]) -> tuple[float, dict[str, float]]:
         return self.phased_step_seconds(*costs.phases(chunks))

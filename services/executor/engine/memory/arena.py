@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.errors import MemoryBudgetError
-from services.executor.engine.memory.ledger import PageLedger
+from shared.core.errors import MemoryBudgetError
+from shared.core.memory.ledger import PageLedger
 
 # Weight views inside a slot start on this boundary so that vectorised loads stay aligned.
 ALIGN_BYTES = 256

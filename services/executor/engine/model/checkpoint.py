@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.config import ModelConfig
+from shared.core.errors import ModelLoadError
 
 
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from shared.plans import FFN_PIECES
+from shared.core.plans import FFN_PIECES
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

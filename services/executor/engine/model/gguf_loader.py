@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
 from services.executor.engine.model.checkpoint import Checkpoint, _check_supported, _source_name
 from services.executor.engine.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
+from shared.core.errors import ModelLoadError, UnsupportedModelError
 
 # Mistral GGUFs are written with general.architecture "llama"; the weights and RoPE layout match.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}

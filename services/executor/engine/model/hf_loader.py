@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
 from services.executor.engine.model.checkpoint import Checkpoint, _check_supported, _source_name
 from services.executor.engine.model.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
+from shared.core.errors import ModelLoadError, UnsupportedModelError
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -16,10 +16,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from services.executor.engine.errors import ModelLoadError
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.gguf_loader import _load_gguf
 from services.executor.engine.model.hf_loader import _load_hf
+from shared.core.errors import ModelLoadError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

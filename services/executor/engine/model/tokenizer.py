@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from services.executor.engine.errors import ModelLoadError, UnsupportedModelError
+from shared.core.errors import ModelLoadError, UnsupportedModelError
 from shared.errors import InvalidRequestError
 
 _LLAMA3_SPLIT = (

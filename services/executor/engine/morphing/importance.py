@@ -45,9 +45,9 @@ from tqdm import tqdm
 
 from kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
+from services.executor.engine.model.decoder import DecoderModel, mlp, rms_norm, rotate
 from services.executor.engine.morphing.simulated import SimulatedQuantization, require_full_precision
 from services.executor.engine.morphing.variants import DEFAULT_CORPUS
-from services.executor.engine.model.decoder import DecoderModel, mlp, rms_norm, rotate
 from shared.config import RESULTS_DIR
 
 log = logging.getLogger(__name__)

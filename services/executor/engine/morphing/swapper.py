@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.errors import EngineError, OutOfPagesError
 from services.executor.engine.memory.arena import Arena
 from services.executor.engine.model.decoder import DecoderModel, slot_views
-from services.executor.engine.morphing.slots import SwapRefused, next_layers, slot_moves
 from services.executor.engine.morphing.variants import VariantStore
-from services.executor.engine.scheduling.scheduler import Scheduler
+from shared.core.errors import EngineError, OutOfPagesError
+from shared.core.scheduling.scheduler import Scheduler
+from shared.core.slots import SwapRefused, next_layers, slot_moves
 
 
 class SwapError(EngineError):

@@ -6,7 +6,7 @@ import torch
 
 from services.executor.engine.model.tokenizer import Tokenizer
 from services.executor.engine.scheduling.outputs import TextStream
-from services.executor.engine.scheduling.sequence import Sequence, Status
+from shared.core.scheduling.sequence import Sequence, Status
 from shared.sampling import SamplingOptions
 
 

@@ -4,6 +4,6 @@ Each module is one rung of the ladder in DESIGN.md ("The controller's ladder"); 
 the bus so that the simulator can run the very same code.
 """
 
-from services.controller.policies.morph import MorphMemory, MorphSettings, make_policy, plan, settings_for_mode
+from shared.core.policies.morph import MorphMemory, MorphSettings, make_policy, plan, settings_for_mode
 
 __all__ = ["MorphMemory", "MorphSettings", "make_policy", "plan", "settings_for_mode"]

@@ -12,9 +12,9 @@ Policy, in order, under one per-step token budget:
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.executor.engine.errors import QueueFullError
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.sequence import Sequence, Status
+from shared.core.errors import QueueFullError
+from shared.core.memory.block_manager import BlockManager
+from shared.core.scheduling.sequence import Sequence, Status
 
 
 @dataclass

@@ -29,8 +29,8 @@ gateway can use, whatever its followers still report.
 import math
 from dataclasses import dataclass, field
 
-from services.monitor.slo import SloTracker
 from shared.config import MonitorConfig
+from shared.core.monitor.slo import SloTracker
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, InstancePlan
 
 UP = "up"

@@ -17,9 +17,9 @@ replaces this model for it.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.planner.devices import Device
-from shared.planner.memory import FULL_BITS, weight_bytes
-from shared.planner.shapes import ModelShape
+from shared.core.planner.devices import Device
+from shared.core.planner.memory import FULL_BITS, weight_bytes
+from shared.core.planner.shapes import ModelShape
 
 COMPUTE_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.8

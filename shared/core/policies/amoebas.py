@@ -6,9 +6,9 @@ refills the FFN shards from the host variants; running requests keep their token
 The merges themselves are the gateway's (services/gateway/tp_merges.py): a request waits for one only there.
 """
 
-from services.controller.policies.interface import PlannedCommand
+from shared.core.policies.interface import PlannedCommand
+from shared.core.tp_scheduler import capacity, instances_from, split_due
 from shared.messages import ClusterState, TpSplitArgs
-from shared.tp_scheduler import capacity, instances_from, split_due
 
 
 def splits(state: ClusterState, split_free_fraction: float) -> list[PlannedCommand]:

@@ -21,7 +21,7 @@ Eq. 4. With intercepts the two differ: half a batch does not take half the time,
 
 Choices the paper leaves open, made here:
 - δ, "the count of non-consecutive layer transitions": the fabric scatters a batch at the first layer of a
-  run of layers with the same copies and gathers it after the last (services/executor/fabric/replicas.py),
+  run of layers with the same copies and gathers it after the last (shared/core/replicas.py),
   so a strategy makes 2 transfers per replicated run (a run: consecutive layers with the same placement,
   more than one copy), and Eq. 2 charges them to its replicated layers: δ(P) = 2·runs(P) / replicated
   layers(P), 0 when nothing is replicated. For one run of k layers, T is then exactly 2 transfers per

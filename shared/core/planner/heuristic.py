@@ -18,8 +18,8 @@
 import itertools
 import time
 
-from shared.planner.ilp import Solution
-from shared.planner.problem import Assignment, Problem, evaluate, held
+from shared.core.planner.ilp import Solution
+from shared.core.planner.problem import Assignment, Problem, evaluate, held
 
 MOVES = (1, 2)  # units a transfer rule moves at once
 

@@ -31,12 +31,12 @@ move an instance this window. Pure like the rungs: `plan` returns the next memor
 import functools
 from dataclasses import dataclass, field, replace
 
-from services.controller.policies import amoebas, cocoserve, cocoserve_algorithms, morph
-from services.controller.policies.interface import PlannedCommand, Policy
 from shared.config import LEVERS, ControllerConfig
+from shared.core.plans import leads
+from shared.core.policies import amoebas, cocoserve, cocoserve_algorithms, morph
+from shared.core.policies.interface import PlannedCommand, Policy
+from shared.core.speedup import DEFAULT_PROFILE, SpeedupProfile
 from shared.messages import ClusterState
-from shared.plans import leads
-from shared.speedup import DEFAULT_PROFILE, SpeedupProfile
 
 NO_SWAPS = morph.MorphSettings(mode="off")
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.planner.devices import Device
-from shared.planner.memory import Workload
+from shared.core.planner.devices import Device
+from shared.core.planner.memory import Workload
 
 Assignment = tuple[tuple[int, int], ...]  # per unit: (device index in pipeline order, bits index)
 

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from shared.planner import heuristic, ilp
-from shared.planner.devices import Device
-from shared.planner.memory import FULL_BITS, Workload
-from shared.planner.problem import Assignment, Costs, Evaluation, LayerLatency, Problem, build, evaluate, micro_batches
+from shared.core.planner import heuristic, ilp
+from shared.core.planner.devices import Device
+from shared.core.planner.memory import FULL_BITS, Workload
+from shared.core.planner.problem import Assignment, Costs, Evaluation, LayerLatency, Problem, build, evaluate, micro_batches
 
 # Above this many ILP variables, `auto` goes straight to the heuristic (about 80 layers on 8 devices at 3 bits).
 MAX_ILP_VARIABLES = 6000

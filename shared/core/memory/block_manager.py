@@ -5,9 +5,9 @@ The ledger owns the pages; this class only decides which of them each sequence u
 
 from collections.abc import Iterable
 
-from services.executor.engine.errors import OutOfPagesError
-from services.executor.engine.memory.ledger import PageLedger
-from services.executor.engine.scheduling.sequence import Sequence
+from shared.core.errors import OutOfPagesError
+from shared.core.memory.ledger import PageLedger
+from shared.core.scheduling.sequence import Sequence
 
 
 class BlockManager:

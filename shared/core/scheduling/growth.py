@@ -4,8 +4,8 @@ cocoserve.py). Here, beside the block tables it reads, so that the executor and 
 
 from collections.abc import Iterable
 
-from services.executor.engine.memory.block_manager import BlockManager
-from services.executor.engine.scheduling.sequence import Sequence
+from shared.core.memory.block_manager import BlockManager
+from shared.core.scheduling.sequence import Sequence
 
 
 def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_len: int) -> int:

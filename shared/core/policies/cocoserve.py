@@ -19,16 +19,16 @@ import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
-from services.controller.hysteresis import HysteresisState, advance, interrupted
-from services.controller.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, ScaleUp,
+from shared.config import ControllerConfig
+from shared.core.hysteresis import HysteresisState, advance, interrupted
+from shared.core.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, ScaleUp,
                                                                Step, batch_tokens, consecutive_runs, eligible_nodes,
                                                                instances, ranges, scale_down_step, scale_up,
                                                                settings_for_config, vacancy)
-from services.controller.policies.interface import PlannedCommand, Policy, updated
-from shared.config import ControllerConfig
+from shared.core.policies.interface import PlannedCommand, Policy, updated
+from shared.core.speedup import DEFAULT_PROFILE, SpeedupProfile, Strategy, gamma, predict
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs,
                              ReplicateArgs)
-from shared.speedup import DEFAULT_PROFILE, SpeedupProfile, Strategy, gamma, predict
 
 
 # --- memory --------------------------------------------------------------------------------------------

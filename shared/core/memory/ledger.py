@@ -18,7 +18,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from itertools import compress
 
-from services.executor.engine.errors import LedgerError
+from shared.core.errors import LedgerError
 
 KV = -1  # slot_of's value for a page that is not in a slot
 

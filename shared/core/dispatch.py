@@ -9,7 +9,7 @@ too. The next state plans afresh.
 
 from collections.abc import Collection, Mapping
 
-from services.controller.policies.interface import PlannedCommand
+from shared.core.policies.interface import PlannedCommand
 
 
 def sendable(planned: list[PlannedCommand], busy: Collection[str], reported: Mapping[str, float],

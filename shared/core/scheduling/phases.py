@@ -1,8 +1,8 @@
-"""What a latency profile reads of a step (shared/planner/latency.py): its phases, and many steps' summed.
+"""What a latency profile reads of a step (shared/core/planner/latency.py): its phases, and many steps' summed.
 
 The executor counts its steps' phases (`StepsLoad`) so that its telemetry can say what its latency profile
 predicts a decoder layer takes at each width over its recent steps (`ExecutorTelemetry.layer_seconds`): the
-morph rung reads it before it quantizes for a queue (services/controller/policies/morph.py). The simulator
+morph rung reads it before it quantizes for a queue (shared/core/policies/morph.py). The simulator
 times its steps from the same phases (services/tools/simulator/costs.py).
 """
 
@@ -10,11 +10,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.executor.engine.scheduling.scheduler import ScheduledChunk
+from shared.core.scheduling.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:  # numpy and scipy: the engine reads a profile only when given one
-    from shared.planner.latency import FittedLatency
-    from shared.planner.roofline import RooflineLatency
+    from shared.core.planner.latency import FittedLatency
+    from shared.core.planner.roofline import RooflineLatency
 
 Phases = tuple[int, int, list[int]]
 

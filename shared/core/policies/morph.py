@@ -55,11 +55,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
-from services.controller.hysteresis import HysteresisParams, HysteresisState, advance, interrupted
-from services.controller.policies.interface import PlannedCommand, Policy, updated
 from shared.config import ControllerConfig
+from shared.core.hysteresis import HysteresisParams, HysteresisState, advance, interrupted
+from shared.core.plans import leads
+from shared.core.policies.interface import PlannedCommand, Policy, updated
 from shared.messages import ClusterState, ExecutorState, ExecutorTelemetry, QuantizeArgs, RestoreArgs, pressure_since
-from shared.plans import leads
 
 MODES = ("off", "accuracy", "default", "performance")
 QUANT_BITS = (8, 4)

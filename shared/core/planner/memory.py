@@ -25,7 +25,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from shared.planner.shapes import ModelShape
+from shared.core.planner.shapes import ModelShape
 
 FULL_BITS = 16
 INT4_GROUP = 128  # the INT4 variants' group of input channels (engine/morphing/quant.py)

@@ -8,8 +8,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from shared.sampling import SamplingOptions
 
 
@@ -31,7 +29,7 @@ class Sequence:
     arrival_time: float
     deadline: float | None = None  # absolute time.time() after which the request is abandoned
     fork_into: int = 1  # completions to fork into when the prompt is done (n for the first sequence)
-    generator: torch.Generator | None = None
+    generator: object | None = None  # the sampler's torch.Generator; the rules never touch it
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # page ids, position p lives in block p // block_size

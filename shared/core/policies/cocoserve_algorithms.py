@@ -51,10 +51,10 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from services.controller.hysteresis import HysteresisParams
 from shared.config import ControllerConfig
+from shared.core.hysteresis import HysteresisParams
+from shared.core.speedup import EQUATIONS, Strategy
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs)
-from shared.speedup import EQUATIONS, Strategy
 
 MODES = ("off", "scale-down", "default")
 

@@ -11,7 +11,7 @@ tests drive it directly.
 from collections import Counter
 from dataclasses import dataclass
 
-from shared.plans import Segment
+from shared.core.plans import Segment
 
 
 def assign_replicas(step: list[tuple[str, int]], replicas: tuple[str, ...], sticky: dict[str, str],

@@ -23,8 +23,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.core.plans import FFN_PIECES, leads
 from shared.messages import ClusterState
-from shared.plans import FFN_PIECES, leads
 
 MAX_TP = FFN_PIECES  # merges step TP1 -> TP2 -> TP4
 

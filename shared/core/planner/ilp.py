@@ -21,7 +21,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from shared.planner.problem import Assignment, Problem
+from shared.core.planner.problem import Assignment, Problem
 
 
 @dataclass(frozen=True)

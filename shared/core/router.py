@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from shared.core.plans import leads
 from shared.messages import ClusterState, ExecutorState
-from shared.plans import leads
 
 
 @dataclass(frozen=True)

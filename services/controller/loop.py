@@ -26,7 +26,7 @@ from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, unsubscribe, validate
 from shared.commands import CommandSender
 from shared.config import ControllerConfig
-from shared.core.dispatch import sendable
+from shared.core.delivery import sendable
 from shared.core.policies.interface import PlannedCommand, Policy
 from shared.messages import ClusterState, CommandResult, Event
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry.context import Context
 
+from services.executor.deltas import token_delta
 from services.executor.fabric import step as wire
 from services.executor.fabric import transform
 from services.executor.fabric.kv_heads import KvPlanError
@@ -52,7 +53,6 @@ from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.merge import kv_units
 from services.executor.fabric.world import FabricError, World
 from services.executor.tokenization import render
-from services.executor.wire import token_delta
 from shared import subjects
 from shared.bus import BusError, Incoming
 from shared.core.admission import Departures, admits, predicted_wait_s, waiting_ahead

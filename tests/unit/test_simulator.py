@@ -23,7 +23,7 @@ from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimR
 from services.tools.simulator.fidelity import compare
 from services.tools.simulator.fleet import FleetError, read_fleet
 from shared.config import PROJECT_ROOT, ControllerConfig, MonitorConfig
-from shared.core.dispatch import sendable
+from shared.core.delivery import sendable
 from shared.core.errors import QueueFullError
 from shared.core.monitor.aggregate import ClusterView
 from shared.core.planner.latency import DECODE_FEATURES, PREFILL_FEATURES, FittedLatency

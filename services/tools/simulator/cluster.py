@@ -15,7 +15,7 @@ that do, all imported from the services:
   pressure, once between two ticks at most (monitor/service.py's cap), at the pace its states' cost allows
   (monitor/pace.py, the cost `monitor_state_s` an executor); the controller (controller/loop.py's
   Controller.plan, with the policies its process would run) plans on every state, and
-  controller/dispatch.py says which planned commands go out (one command at a time per executor, none from
+  shared/core/delivery.py says which planned commands go out (one command at a time per executor, none from
   a state older than the executor's last answer);
 - a command reaches its executor after `bus_latency_s`, waits for the step boundary, takes what
   costs.swap_seconds says (the executor steps nothing meanwhile, as the engine thread is busy swapping), and
@@ -53,7 +53,7 @@ from services.tools.simulator.fleet import Fleet
 from services.tools.simulator.instance import SimInstance
 from services.tools.simulator.merges import MergeRoom
 from shared.config import ControllerConfig, MonitorConfig
-from shared.core.dispatch import sendable
+from shared.core.delivery import sendable
 from shared.core.errors import KvCapacityError, QueueFullError
 from shared.core.monitor.aggregate import ClusterView
 from shared.core.monitor.held import HeldReports

@@ -18,6 +18,7 @@ from services.executor.service import heartbeat
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
+from shared.core.kv_report import kv_fields
 from shared.core.latency import BusyWindow
 from shared.core.roles import Role, refusal
 from shared.errors import InvalidCommandError
@@ -116,9 +117,7 @@ class FollowerService:
             executor=self.id, instance=self.instance, time=time.time(), model=self.model_name,
             max_model_len=self.max_model_len, block_size=self.config.engine.block_size,
             page_bytes=member.arena.page_bytes,
-            kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot, pages_free=ledger.pages_kv_free,
-                       pages_used=ledger.pages_kv_used, pages_base=ledger.pages_base,
-                       pages_extension=ledger.pages_extension),
+            kv=KvPages(**kv_fields(ledger)),
             layers=[layer.bits for layer in plan.layers], swap_order=list(range(len(plan.layers))),
             running=0, waiting=0, max_waiting=self.config.engine.max_waiting, preemptions=0, prompt_tokens=0,
             generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=plan,

@@ -24,6 +24,7 @@ from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
 from shared.core.admission import queue_wait_s
 from shared.core.errors import EngineError
+from shared.core.kv_report import kv_fields
 from shared.core.plans import alone_id
 from shared.core.roles import Role, refusal, role_of
 from shared.core.scheduling.phases import LatencyReports
@@ -388,9 +389,7 @@ class ExecutorService:
             executor=self.id, instance=self.instance, time=snap.taken, model=self.model_name,
             max_model_len=engine.max_model_len,
             block_size=engine.config.block_size, page_bytes=engine.arena.page_bytes,
-            kv=KvPages(pages_total=ledger.pages_total, pages_slot=ledger.pages_slot,
-                       pages_free=ledger.pages_kv_free, pages_used=ledger.pages_kv_used,
-                       pages_base=ledger.pages_base, pages_extension=ledger.pages_extension),
+            kv=KvPages(**kv_fields(ledger)),
             layers=snap.layers if member is None else [layer.bits for layer in self.plan.layers],
             swap_order=engine.swapper.swap_order if member is None else list(range(len(self.plan.layers))),
             running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,

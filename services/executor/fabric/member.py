@@ -35,6 +35,7 @@ from services.executor.fabric import step as wire
 from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, LeaderLeft, World, checked
 from shared.config import EngineConfig
+from shared.core.kv_report import instance_pages
 from shared.core.memory.ledger import LedgerSnapshot, PageLedger
 from shared.core.plans import Segment, layers_on, quantized_layers, segments
 from shared.messages import InstancePlan
@@ -329,10 +330,6 @@ class InstanceMember:
 
     def snapshot(self) -> LedgerSnapshot:
         """The arena's pages, with the KV counts of the instance's blocks (the leader's, or its last word)."""
-        own = self.arena.ledger.snapshot()
         free, used = (self.blocks.num_free, self.num_blocks - self.blocks.num_free) if self.is_leader \
             else (self.kv_free, self.kv_used)
-        blocks = self.num_blocks
-        extension = max(0, blocks - own.pages_base)
-        return LedgerSnapshot(pages_total=own.pages_total, pages_slot=own.pages_slot, pages_kv_free=free,
-                              pages_kv_used=used, pages_base=blocks - extension, pages_extension=extension)
+        return instance_pages(self.arena.ledger.snapshot(), self.num_blocks, free, used)

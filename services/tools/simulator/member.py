@@ -7,6 +7,7 @@ them. Mixed into SimExecutor (executor.py), whose arena (`ledger`, `slot_pages`,
 from array import array
 
 from services.tools.simulator.tp import ffn_pages_freed
+from shared.core.kv_report import instance_pages, kv_fields
 from shared.core.memory.ledger import LedgerSnapshot
 from shared.core.slots import slot_moves
 from shared.core.tp_scheduler import MAX_TP
@@ -112,12 +113,7 @@ class MemberArena:
     def kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
         """Telemetry's KvPages, as fields (the bench's poll reads them as a dict, the report makes them one). In an
         instance, the instance's blocks, as fabric/member.py's snapshot counts them on every member."""
-        if self.group is None:
-            return dict(pages_total=snap.pages_total, pages_slot=snap.pages_slot, pages_free=snap.pages_kv_free,
-                        pages_used=snap.pages_kv_used, pages_base=snap.pages_base,
-                        pages_extension=snap.pages_extension)
-        blocks, free = self.group.num_blocks, self.group.ledger.num_free
-        slot = snap.pages_slot - self.group.freed_pages(self.id)
-        extension = max(0, blocks - (snap.pages_total - slot - snap.pages_extension))
-        return dict(pages_total=snap.pages_total, pages_slot=slot, pages_free=free, pages_used=blocks - free,
-                    pages_base=blocks - extension, pages_extension=extension)
+        if self.group is not None:
+            blocks, free = self.group.num_blocks, self.group.ledger.num_free
+            snap = instance_pages(snap, blocks, free, blocks - free, self.group.freed_pages(self.id))
+        return kv_fields(snap)

@@ -212,7 +212,10 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
 
     seat = Seat(world, plan, config.executor_id)
     if plan.leader == config.executor_id:
-        return ExecutorService(config, LLMEngine(config.engine, progress=False, seat=seat), plan), world
+        from services.executor.fabric.leader import seated
+
+        return ExecutorService(config, LLMEngine(config.engine, progress=False, place=seated(seat, config.engine)),
+                               plan), world
     from services.executor.engine.engine import DTYPES
     from services.executor.follower import FollowerService
 

@@ -14,6 +14,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.outbox import Outbox
@@ -34,6 +35,10 @@ from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResul
                              DrainArgs, ErrorInfo, Event, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
                              InstancePlan, KvPages, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
                              RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
+
+if TYPE_CHECKING:  # annotations only
+    from services.executor.engine.engine import LLMEngine
+    from services.executor.fabric.world import World
 
 # The latency profile shipped for each kind of device: measured on this project's CPU machine for the default model.
 SHIPPED_LATENCY_PROFILES = {"cpu": Path(__file__).resolve().parents[2] / "docs" / "results" / "latency_profile_cpu.json"}
@@ -110,7 +115,8 @@ async def _publish_telemetry(bus: Bus, executor: str, telemetry: Callable[[], Ex
 
 
 class ExecutorService:
-    def __init__(self, config: ExecutorConfig, engine=None, plan: InstancePlan | None = None, world=None):
+    def __init__(self, config: ExecutorConfig, engine: "LLMEngine | None" = None, plan: InstancePlan | None = None,
+                 world: "World | None" = None):
         """`plan`: the instance this executor leads (None: it serves alone, outside any world). `world`: the
         executors' world when it serves alone in one, so that it can merge into a TP instance (AMOEBAs)."""
         if engine is None:

@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
 
@@ -64,6 +65,9 @@ from shared.errors import InvalidCommandError, InvalidRequestError
 from shared.messages import (ADMISSION_EXPIRED, INSTANCE_BROKEN, KV_CAPACITY, NOT_STARTED, Admission, Cancel,
                              ErrorInfo, GenerateRequest, Message, TokenBatch, TokenDelta, pressure_events)
 from shared.telemetry import RECORD_CONTENT
+
+if TYPE_CHECKING:  # annotations only
+    from services.executor.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +111,7 @@ def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
 
 
 class EngineWorker:
-    def __init__(self, engine, executor: str, model_name: str, latency_window_s: float, send: Send, answer: Send,
+    def __init__(self, engine: "LLMEngine", executor: str, model_name: str, latency_window_s: float, send: Send, answer: Send,
                  publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
                  on_broken: Callable[[Exception], None] = lambda exc: None,
                  on_pressure: Callable[[], None] = lambda: None):

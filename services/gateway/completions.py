@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,6 +23,9 @@ from services.gateway.openai_api import (SSE_DONE, ApiError, ChatCompletionReque
                                          parse_request, sse_error)
 from shared.messages import GenerateRequest
 
+if TYPE_CHECKING:  # the gateway imports this module
+    from services.gateway.app import Gateway
+
 log = logging.getLogger("morphling.gateway")
 
 SPAN_SCOPE_KEY = "morphling.server_span"  # set by app.py's middleware in the ASGI scope
@@ -30,7 +34,7 @@ SPAN_SCOPE_KEY = "morphling.server_span"  # set by app.py's middleware in the AS
 MAX_JSON_DEPTH = 64
 
 
-async def read_json(gw, request: Request):
+async def read_json(gw: "Gateway", request: Request):
     """The body as JSON, refusing more than gw.max_body_bytes even when no Content-Length was sent, and
     more than MAX_JSON_DEPTH levels of nesting."""
     body = bytearray()
@@ -61,12 +65,12 @@ def nesting_exceeds(value, limit: int) -> bool:
     return False
 
 
-def too_large(gw) -> ApiError:
+def too_large(gw: "Gateway") -> ApiError:
     return ApiError(413, f"the request body exceeds {gw.max_body_bytes} bytes", "invalid_request_error",
                     None, "request_too_large")
 
 
-async def generate(gw, request: Request, chat: bool):
+async def generate(gw: "Gateway", request: Request, chat: bool):
     """Validate, admit, then answer with one JSON body or an SSE stream."""
     arrival = time.time()
     req = parse_request(await read_json(gw, request), ChatCompletionRequest if chat else CompletionRequest)
@@ -100,7 +104,7 @@ async def generate(gw, request: Request, chat: bool):
 class _Progress:
     """Per-request accounting shared by the streaming and non-streaming paths."""
 
-    def __init__(self, gw, ticket: Ticket, span: trace.Span, arrival: float):
+    def __init__(self, gw: "Gateway", ticket: Ticket, span: trace.Span, arrival: float):
         self.gw, self.ticket, self.span, self.arrival = gw, ticket, span, arrival
         self.choices = [Choice(i) for i in range(ticket.request.sampling.n)]
         self.first_token_at: float | None = None
@@ -131,7 +135,7 @@ class _Progress:
             "gen_ai.response.finish_reasons": [c.finish_reason or "error" for c in self.choices]})
 
 
-async def _collect(gw, progress: _Progress) -> None:
+async def _collect(gw: "Gateway", progress: _Progress) -> None:
     async for delta in gw.dispatcher.events(progress.ticket):
         try:
             progress.add(delta)
@@ -140,7 +144,7 @@ async def _collect(gw, progress: _Progress) -> None:
             raise
 
 
-async def _collect_unless_disconnected(gw, ticket: Ticket, request: Request, span, arrival: float):
+async def _collect_unless_disconnected(gw: "Gateway", ticket: Ticket, request: Request, span, arrival: float):
     progress = _Progress(gw, ticket, span, arrival)
 
     async def disconnected() -> None:
@@ -165,7 +169,7 @@ async def _collect_unless_disconnected(gw, ticket: Ticket, request: Request, spa
     return progress.choices, progress.prompt_tokens
 
 
-async def _stream(gw, ticket: Ticket, builder: ChunkBuilder, span, arrival: float):
+async def _stream(gw: "Gateway", ticket: Ticket, builder: ChunkBuilder, span, arrival: float):
     progress = _Progress(gw, ticket, span, arrival)
     complete = False
     try:

@@ -31,6 +31,10 @@ class LedgerError(EngineError):
     """A page was about to be used twice, or freed while not in use: a bug, never a user error."""
 
 
+class ReshapeRefused(EngineError):
+    """A CoCoServe operation cannot apply (a layer not there, no memory for it, no other member); nothing changed."""
+
+
 class OutOfPagesError(EngineError):
     """An operation needs more free KV pages than there are; nothing was changed."""
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from services.executor.engine.engine import LLMEngine
 from services.executor.fabric.offline import Shape, instance_engine
-from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
+from shared.core.errors import ReshapeRefused
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama_8kv

@@ -99,6 +99,37 @@ def test_the_crossing_detector_sees_function_level_imports(tmp_path):
                                                         "services.executor.engine"]
 
 
+LAYERS = ("protocol", "rules", "engine", "fabric", "services", "tools")
+
+
+def layer(module: str) -> str | None:
+    """Which of LAYERS a project module sits in; each may import only its own layer and those before it."""
+    parts = module.split(".")
+    if parts[0] == "shared":
+        return "rules" if parts[1:2] == ["core"] else "protocol"
+    if parts[0] == "kernels" or parts[:3] == ["services", "executor", "engine"]:
+        return "engine"
+    if parts[:3] == ["services", "executor", "fabric"]:
+        return "fabric"
+    if parts[0] == "services":
+        return "tools" if parts[1:2] == ["tools"] else "services"
+    return None
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    """protocol <- rules <- engine <- fabric <- services <- tools: the engine knows no fabric (an instance's runner is
+    handed to it), the fabric no service, and the rules nothing above the protocol."""
+    files = [f for folder in ("shared", "kernels", "services") for f in sorted((PROJECT_ROOT / folder).rglob("*.py"))]
+    bad = []
+    for f in files:
+        mine = layer(module_name(f, PROJECT_ROOT))
+        for line, module in imported_modules(f):
+            theirs = layer(module)
+            if mine and theirs and LAYERS.index(theirs) > LAYERS.index(mine):
+                bad.append(f"{f.relative_to(PROJECT_ROOT)}:{line} ({mine}) imports {module} ({theirs})")
+    assert bad == []
+
+
 def module_name(path: Path, root: Path) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Protocol
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,6 @@ from services.executor.engine.scheduling import handover
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
-from services.executor.fabric.leader import InstanceRunner
-from services.executor.fabric.member import InstanceMember, Seat
-from services.executor.fabric.reshape import ReshapeRefused
 from shared.config import EngineConfig
 from shared.core.errors import DuplicateRequestError, KvCapacityError
 from shared.core.memory.block_manager import BlockManager
@@ -65,9 +63,16 @@ class EngineStats:
     ledger: LedgerSnapshot
 
 
+class Place(Protocol):
+    """Builds the runner of an instance of several executors that this engine leads, from the checkpoint (the
+    fabric's `leader.seated`): the engine knows no fabric, only the runner it is handed."""
+
+    def __call__(self, checkpoint, dtype: torch.dtype, max_model_len: int, progress: bool) -> ModelRunner: ...
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True, seat: Seat | None = None):
-        """`seat`: this executor's place in an instance that spans several executors (it leads it); None
+    def __init__(self, config: EngineConfig, progress: bool = True, place: Place | None = None):
+        """`place`: where the model runs when this executor leads an instance that spans several executors; None
         for an executor that holds the whole model."""
         self.config = config
         path = resolve_model_path(config.model)
@@ -78,8 +83,7 @@ class LLMEngine:
                                                           if self.tokenizer.eos_token_id is not None else ())
         self.max_model_len = model_len(config, cfg)
         dtype = DTYPES[config.resolved_dtype()]
-        self.member = None
-        if seat is None:
+        if place is None:
             geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
             _, layer_bytes = layer_layout(cfg, dtype)
             self.arena = Arena(geometry, config.memory_budget, layer_bytes, config.min_kv_tokens or self.max_model_len,
@@ -95,18 +99,18 @@ class LLMEngine:
                                           config.variant_bits, capture=True, progress=progress)
             self.runner = ModelRunner(self.model, config.block_size, config.device, graphs)
         else:
-            self.member = InstanceMember(seat, config, checkpoint, dtype, self.max_model_len, progress)
-            self.arena, self.model = self.member.arena, self.member.model
-            self.blocks = BlockManager(self.member.blocks, config.block_size)
-            self.runner = InstanceRunner(self.member, config.block_size)
+            self.runner = place(checkpoint, dtype, self.max_model_len, progress)
+            self.model = self.runner.model
+            self.arena = self.model.arena
+            self.blocks = BlockManager(self.runner.kv_pages, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         windows = calibration_windows(self.tokenizer, window=min(512, self.max_model_len)) if config.awq else None
         # An instance's members morph together (the fabric's transformations), never one shard on its own.
-        self.variants = VariantStore(self.model, checkpoint.fingerprint() if seat is None else None,
+        self.variants = VariantStore(self.model, checkpoint.fingerprint() if place is None else None,
                                      config.variant_bits, config.awq, config.variant_cache_dir,
                                      config.host_memory_cap, windows)
-        if config.prepare_variants and seat is None:
+        if config.prepare_variants and place is None:
             self.variants.prepare(progress)
         self.swapper = LayerSwapper(self.model, self.arena, self.scheduler, self.variants)
         self._rng = random.Random(config.seed)
@@ -122,6 +126,11 @@ class LLMEngine:
         log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
                  snap.pages_total, self.arena.page_bytes, snap.pages_slot, snap.pages_kv,
                  snap.pages_kv * config.block_size, self.max_model_len)
+
+    @property
+    def member(self):
+        """The instance this engine leads (its runner's member); None while it serves alone."""
+        return self.runner.member
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingOptions,
@@ -330,8 +339,6 @@ class LLMEngine:
     def reshape(self, op: ReplicateArgs | MigrateArgs | EvictArgs | QuantizeArgs | RestoreArgs) -> dict:
         """Replicate, migrate, evict, quantize or restore layers of the instance this engine leads, between
         two steps (an executor alone quantizes through its swapper)."""
-        if self.member is None:
-            raise ReshapeRefused("this executor serves alone: its layers have no other member to go to")
         return self.runner.reshape(op, self.scheduler)
 
     def set_max_num_seqs(self, cap: int) -> int:
@@ -350,14 +357,16 @@ class LLMEngine:
     def pack_sequence(self, seq: Sequence) -> dict:
         return handover.pack(seq, self._text[seq.seq_id])
 
-    def lead_instance(self, member: InstanceMember, block_ids: Callable[[int, list[int]], list[int]],
-                      handed: list[tuple[int, dict]]) -> None:
-        """Step the merged instance `member` from now on: our sequences' block tables become instance block
-        ids (`block_ids(0, pages)`), and the sequences member r handed over (packed) join with theirs."""
-        self.member = member
-        self.blocks = BlockManager(member.blocks, self.config.block_size)
+    def _place(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.blocks = BlockManager(runner.kv_pages, self.config.block_size)
         self.scheduler.blocks = self.blocks
-        self.runner = InstanceRunner(member, self.config.block_size)
+
+    def lead_instance(self, runner: ModelRunner, block_ids: Callable[[int, list[int]], list[int]],
+                      handed: list[tuple[int, dict]]) -> None:
+        """Step the merged instance `runner` runs from now on: our sequences' block tables become instance block
+        ids (`block_ids(0, pages)`), and the sequences member r handed over (packed) join with theirs."""
+        self._place(runner)
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.block_table = block_ids(0, seq.block_table)
         for rank, packed in handed:
@@ -368,10 +377,7 @@ class LLMEngine:
         """Serve alone again after a TP split: the sequences `keep` says stay get their block tables back in
         our pages (`pages(block ids)`), the others are another engine's now, and `handed` (packed, in block
         ids) join."""
-        self.member = None
-        self.blocks = BlockManager(self.arena.ledger, self.config.block_size)
-        self.scheduler.blocks = self.blocks
-        self.runner = ModelRunner(self.model, self.config.block_size, self.config.device)
+        self._place(ModelRunner(self.model, self.config.block_size, self.config.device))
         for queue in (self.scheduler.running, self.scheduler.waiting):
             for seq in list(queue):
                 if keep(seq):
@@ -416,10 +422,10 @@ class LLMEngine:
 
     def kv_capacity_blocks(self) -> int:
         """KV blocks the instance holds when empty: the most one sequence can take."""
-        return self.member.num_blocks if self.member is not None else self.arena.ledger.snapshot().pages_kv
+        return self.runner.kv_capacity_blocks()
 
     def stats(self) -> EngineStats:
-        ledger = self.arena.ledger.snapshot() if self.member is None else self.member.snapshot()
+        ledger = self.runner.ledger()
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            preemptions=self.scheduler.num_preemptions,
                            admission_blocked=self.scheduler.num_admission_blocked, ledger=ledger, **self._counts)

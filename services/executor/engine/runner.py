@@ -5,6 +5,8 @@ import torch
 from kernels.block_copy import copy_blocks
 from services.executor.engine.graphs import DecodeGraphs
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
+from shared.core.errors import ReshapeRefused
+from shared.core.memory.ledger import LedgerSnapshot, PageLedger
 from shared.core.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 
 # Decode attention gathers every sequence's context padded to the longest in its group; a new group
@@ -32,6 +34,12 @@ def batch_order(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 
 class ModelRunner:
+    """The model on this executor alone: its KV blocks are the arena's pages. It is the engine's placement: an
+    instance's leader runs the fabric's InstanceRunner instead, whose blocks are the instance's, and a TP merge or
+    split hands the engine the other one (LLMEngine.lead_instance, serve_alone)."""
+
+    member = None  # the instance this runner leads (InstanceRunner); none alone
+
     def __init__(self, model: DecoderModel, block_size: int, device: torch.device | str,
                  graphs: DecodeGraphs | None = None):
         """`graphs`: decode steps they cover replay them (CUDA); the rest run eagerly."""
@@ -39,6 +47,21 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs = graphs
+
+    @property
+    def kv_pages(self) -> PageLedger:
+        """Where the engine's block manager takes its KV blocks from."""
+        return self.model.arena.ledger
+
+    def kv_capacity_blocks(self) -> int:
+        """KV blocks there are when no sequence holds any."""
+        return self.model.arena.ledger.snapshot().pages_kv
+
+    def ledger(self) -> LedgerSnapshot:
+        return self.model.arena.ledger.snapshot()
+
+    def reshape(self, op, scheduler) -> dict:
+        raise ReshapeRefused("this executor serves alone: its layers have no other member to go to")
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Logits `[S, vocab]` (float32) for the chunks that complete their sequence, and those chunks."""

@@ -11,7 +11,9 @@ import torch
 from services.executor.engine.runner import ModelRunner, batch_order
 from services.executor.fabric import reshape
 from services.executor.fabric import step as wire
-from services.executor.fabric.member import InstanceMember
+from services.executor.fabric.member import InstanceMember, Seat
+from shared.config import EngineConfig
+from shared.core.memory.ledger import LedgerSnapshot
 from shared.core.replicas import assign_replicas, rows_by_replica
 from shared.core.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
@@ -24,6 +26,16 @@ class InstanceRunner(ModelRunner):
         super().__init__(member.model, block_size, "cpu")
         self.member = member
         self.sticky: dict[int, dict[str, str]] = {}  # replicated segment -> request id -> replica
+
+    @property
+    def kv_pages(self):
+        return self.member.blocks
+
+    def kv_capacity_blocks(self) -> int:
+        return self.member.num_blocks
+
+    def ledger(self) -> LedgerSnapshot:
+        return self.member.snapshot()
 
     @property
     def replicated(self) -> list[int]:
@@ -77,3 +89,14 @@ class InstanceRunner(ModelRunner):
         """A request that ended: its KV is gone from every replica, so it needs no replica any more."""
         for sticky in self.sticky.values():
             sticky.pop(request_id, None)
+
+
+def seated(seat: Seat, config: EngineConfig):
+    """The placement of an engine that leads the instance `seat` names (LLMEngine's `place`): its member of the
+    instance, holding its part of the model, and the runner that steps the instance."""
+
+    def place(checkpoint, dtype, max_model_len: int, progress: bool) -> InstanceRunner:
+        return InstanceRunner(InstanceMember(seat, config, checkpoint, dtype, max_model_len, progress),
+                              config.block_size)
+
+    return place

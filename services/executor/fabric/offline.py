@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from services.executor.engine.engine import DTYPES, LLMEngine, model_len
 from services.executor.engine.model.loader import load_checkpoint
+from services.executor.fabric.leader import seated
 from services.executor.fabric.member import InstanceMember, Seat
 from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
@@ -80,7 +81,7 @@ def instance_engine(config: EngineConfig, shape: Shape, timeout_s: float = 60.0,
         world, _, plan = _join(config, shape, url, 0, timeout_s)
         if plan.leader != "exec0" or len(plan.members) == 1:
             raise ValueError(f"exec0 must lead an instance of several executors; its plan is {plan}")
-        engine = LLMEngine(config, progress=False, seat=Seat(world, plan, "exec0"))
+        engine = LLMEngine(config, progress=False, place=seated(Seat(world, plan, "exec0"), config))
         yield engine
     finally:
         if engine is not None and not engine.member.broken:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from services.executor.engine.model.decoder import load_layer, slot_views
 from services.executor.engine.morphing.variants import quantize_layer
 from services.executor.fabric import step as wire
-from shared.core.errors import EngineError, OutOfPagesError
+from shared.core.errors import OutOfPagesError, ReshapeRefused
 from shared.core.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments, with_bits
 from shared.core.replicas import KvMove, reassign
 from shared.core.scheduling.scheduler import Scheduler
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Operation = ReplicateArgs | MigrateArgs | EvictArgs
-
-
-class ReshapeRefused(EngineError):
-    """The operation cannot apply (a layer not there, no memory for it); nothing changed."""
 
 
 @dataclass

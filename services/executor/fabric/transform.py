@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from services.executor.fabric import step as wire
 from services.executor.fabric.kv_heads import HeadMove, UnitPool, plan_merge, plan_split
+from services.executor.fabric.leader import InstanceRunner
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.merge import Membership, become_member, become_whole, cut_pages
 from services.executor.fabric.shards import head_shards
@@ -116,7 +117,7 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
             member.blocks.claim(block)
             for _ in range(rc - 1):
                 member.blocks.incref(block)
-        engine.lead_instance(member, lambda r, table: [block_id[(r, p)] for p in table],
+        engine.lead_instance(InstanceRunner(member, engine.config.block_size), lambda r, table: [block_id[(r, p)] for p in table],
                              [(r, s) for r, e in enumerate(everyone) for s in e["seqs"]])
     else:
         engine.hand_over()

@@ -31,6 +31,7 @@ from shared.config import EngineConfig
 from shared.core.errors import DuplicateRequestError, KvCapacityError
 from shared.core.memory.block_manager import BlockManager
 from shared.core.memory.ledger import LedgerSnapshot
+from shared.core.scheduling.growth import blocks_at_end
 from shared.core.scheduling.phases import StepsLoad, phases
 from shared.core.scheduling.scheduler import Scheduler
 from shared.core.scheduling.sequence import Sequence, Status
@@ -417,8 +418,7 @@ class LLMEngine:
     def kv_blocks_at_end(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """KV blocks a sequence holds once it ends: at max_tokens, else (it may grow so far) max_model_len. Its
         last token is sampled but never written to the cache."""
-        tokens = min(prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
-        return -(-(tokens - 1) // self.config.block_size)
+        return blocks_at_end(prompt_tokens, max_tokens or None, self.max_model_len, self.config.block_size)
 
     def kv_capacity_blocks(self) -> int:
         """KV blocks the instance holds when empty: the most one sequence can take."""

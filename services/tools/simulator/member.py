@@ -9,6 +9,7 @@ from array import array
 from services.tools.simulator.tp import ffn_pages_freed
 from shared.core.kv_report import instance_pages, kv_fields
 from shared.core.memory.ledger import LedgerSnapshot
+from shared.core.scheduling.growth import blocks_at_end
 from shared.core.slots import slot_moves
 from shared.core.tp_scheduler import MAX_TP
 from shared.messages import KvUnits
@@ -84,8 +85,7 @@ class MemberArena:
 
     def blocks_at_end(self, prompt_tokens: int, max_tokens: int) -> int:
         """KV blocks a sequence holds once it ends (its last token is sampled, never written)."""
-        tokens = min(prompt_tokens + max_tokens, self.max_model_len)
-        return -(-(tokens - 1) // self.limits.block_size)
+        return blocks_at_end(prompt_tokens, max_tokens, self.max_model_len, self.limits.block_size)
 
     def kv_capacity(self) -> int:
         """KV blocks the instance holds empty: the most one sequence can take."""

@@ -8,6 +8,13 @@ from shared.core.memory.block_manager import BlockManager
 from shared.core.scheduling.sequence import Sequence
 
 
+def blocks_at_end(prompt_tokens: int, max_tokens: int | None, max_model_len: int, block_size: int) -> int:
+    """KV blocks a sequence holds once it ends: at `max_tokens` (None: it may grow to max_model_len). Its last token is
+    sampled but never written to the cache. The engine admits by it, and so does the simulator."""
+    tokens = min(prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
+    return -(-(tokens - 1) // block_size)
+
+
 def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_len: int) -> int:
     """KV pages the running sequences still take before they end at their max_tokens (or max_model_len).
 
@@ -22,7 +29,7 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
     for seq in running:
         prompt = len(seq.prompt_ids)
         kv_end = min(prompt + (seq.params.max_tokens or max_model_len), max_model_len) - 1
-        end_blocks = -(-kv_end // size)
+        end_blocks = blocks_at_end(prompt, seq.params.max_tokens or max_model_len, max_model_len, size)
         if seq.fork_into > 1:
             prompt_blocks = -(-prompt // size)
             growth += max(0, prompt_blocks - len(seq.block_table))

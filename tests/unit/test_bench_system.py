@@ -12,9 +12,13 @@ BENCH = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from services.tools.bench.system import UpProcess
-    # a stand-in for `morphling up`: it runs until Ctrl-C, which UpProcess.stop sends
-    up = UpProcess([sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+    # a stand-in for `morphling up`: it runs until Ctrl-C, which UpProcess.stop sends (its handler set, as up sets
+    # its own, since a shell's background job starts with SIGINT ignored)
+    STAND_IN = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "print('ready', flush=True); time.sleep(600)")
+    up = UpProcess([sys.executable, "-c", STAND_IN], Path(sys.argv[1]))
     try:
+        up.lines.get(timeout=30)  # its handler is set
         print(up.proc.pid, flush=True)
         time.sleep(600)
     finally:

@@ -477,7 +477,7 @@ def test_the_simulator_runs_the_controllers_own_policy_not_a_copy(tmp_path, monk
     # ...and no file of the simulator defines a function of the pieces it must import.
     owned = {"plan", "make_policy", "choose_executor", "serving", "observe", "state", "schedule", "sendable",
              "pages_growth", "advance", "splits", "at_rest", "shape", "cluster_body"}
-    for path in (PROJECT_ROOT / "services" / "simulator").glob("*.py"):
+    for path in (PROJECT_ROOT / "services" / "tools" / "simulator").glob("*.py"):
         defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
         assert not defined & owned, f"{path.name} defines {defined & owned}: import it instead"
 
@@ -807,7 +807,7 @@ def test_a_tp_step_is_each_layer_split_k_ways_and_two_all_reduces_a_layer(tmp_pa
     assert parts == {"exec0": seconds, "exec1": seconds}
 
 
-@pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "services" / "simulator" / "fleets").glob("*.json")),
+@pytest.mark.parametrize("path", sorted((PROJECT_ROOT / "services" / "tools" / "simulator" / "fleets").glob("*.json")),
                          ids=lambda p: p.name)
 def test_every_shipped_fleet_reads_with_its_profiles(path):
     fleet = read_fleet(path)
@@ -815,7 +815,7 @@ def test_every_shipped_fleet_reads_with_its_profiles(path):
 
 
 def test_cocoserve_and_amoebas_run_end_to_end_on_the_cpu_bench_fleet(tmp_path, capsys):
-    fleet = PROJECT_ROOT / "services" / "simulator" / "fleets" / "cpu-bench.json"
+    fleet = PROJECT_ROOT / "services" / "tools" / "simulator" / "fleets" / "cpu-bench.json"
     argv = ["--fleet", str(fleet), "--modes", "cocoserve,amoebas", "--rate-scale", "0.25", "--busy", "1",
             "--ordinary", "0", "--window-s", "5", "--out", str(tmp_path)]
     assert simulate_cli.main(argv) == 0

@@ -80,9 +80,9 @@ def solve_times() -> list[dict]:
     return rows
 
 
-def fleets() -> list[dict]:
+def fleets(count: int | None = None) -> list[dict]:
     rows = []
-    for name, devices, model in FLEETS:
+    for name, devices, model in FLEETS[:count]:
         request = fleet_request(devices, model, WORKLOAD, group=2)
         started = time.perf_counter()
         plan = search(request)
@@ -194,13 +194,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process in part 3 (the profile's)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
     ap.add_argument("--skip-served", action="store_true", help="parts 1 and 2 only (no model)")
+    ap.add_argument("--fleets", type=int, default=None, help=f"part 2's first N fleets only (default all {len(FLEETS)})")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     print("1. solve time by problem size (one order, micro-batches 4 / 32)", flush=True)
     sizes = solve_times()
     print(f"\n2. fleets, predicted (modelled latency), batch {WORKLOAD.batch} × {WORKLOAD.prompt} + {WORKLOAD.output}",
           flush=True)
-    fleet_rows = fleets()
+    fleet_rows = fleets(args.fleets)
     served = None if args.skip_served else served_on_cpu(args.profile, args.out, args.threads, args.steps)
     record = dict(solve_times=sizes, fleets=fleet_rows, served_on_cpu=served, workload=asdict(WORKLOAD),
                   theta=THETA, **provenance(args))

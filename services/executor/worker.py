@@ -111,7 +111,8 @@ def owed_indices(req: GenerateRequest) -> tuple[int, ...]:
 
 
 class EngineWorker:
-    def __init__(self, engine: "LLMEngine", executor: str, model_name: str, latency_window_s: float, send: Send, answer: Send,
+    def __init__(self, engine: "LLMEngine", executor: str, model_name: str, latency_window_s: float, send: Send,
+                 answer: Send,
                  publish: Callable[[str, Message], Awaitable[None]], max_queue_wait_s: float = 0.0,
                  on_broken: Callable[[Exception], None] = lambda exc: None,
                  on_pressure: Callable[[], None] = lambda: None):

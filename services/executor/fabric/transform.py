@@ -117,7 +117,8 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
             member.blocks.claim(block)
             for _ in range(rc - 1):
                 member.blocks.incref(block)
-        engine.lead_instance(InstanceRunner(member, engine.config.block_size), lambda r, table: [block_id[(r, p)] for p in table],
+        engine.lead_instance(InstanceRunner(member, engine.config.block_size),
+                             lambda r, table: [block_id[(r, p)] for p in table],
                              [(r, s) for r, e in enumerate(everyone) for s in e["seqs"]])
     else:
         engine.hand_over()

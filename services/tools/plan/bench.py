@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process in part 3 (the profile's)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed in part 3")
     ap.add_argument("--skip-served", action="store_true", help="parts 1 and 2 only (no model)")
-    ap.add_argument("--fleets", type=int, default=None, help=f"part 2's first N fleets only (default all {len(FLEETS)})")
+    ap.add_argument("--fleets", type=int, default=None,
+                    help=f"part 2's first N fleets only (default all {len(FLEETS)})")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     print("1. solve time by problem size (one order, micro-batches 4 / 32)", flush=True)

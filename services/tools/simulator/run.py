@@ -66,7 +66,8 @@ SIMULATED = ("fp16", "int8", "int4", "morph", "cocoserve", "amoebas", "ladder")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="morphling simulate", description=__doc__.splitlines()[0])
-    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="a fleet JSON (services/tools/simulator/fleet.py)")
+    ap.add_argument("--fleet", type=Path, default=DEFAULT_FLEET,
+                    help="a fleet JSON (services/tools/simulator/fleet.py)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="an Azure or BurstGPT CSV")
     ap.add_argument("--modes", default=",".join(SIMULATED), help=f"comma-separated, of {', '.join(SIMULATED)}")
     ap.add_argument("--window-s", type=float, default=20.0, help="length of each window, trace seconds")

@@ -8,11 +8,15 @@ from shared.core.memory.block_manager import BlockManager
 from shared.core.scheduling.sequence import Sequence
 
 
+def kv_tokens_at_end(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Tokens whose KV a sequence holds once it ends at `max_tokens` (None: it may grow to max_model_len): all of them
+    but the last, which is sampled and never written to the cache."""
+    return min(prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len) - 1
+
+
 def blocks_at_end(prompt_tokens: int, max_tokens: int | None, max_model_len: int, block_size: int) -> int:
-    """KV blocks a sequence holds once it ends: at `max_tokens` (None: it may grow to max_model_len). Its last token is
-    sampled but never written to the cache. The engine admits by it, and so does the simulator."""
-    tokens = min(prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
-    return -(-(tokens - 1) // block_size)
+    """KV blocks a sequence holds once it ends. The engine admits by it, and so does the simulator."""
+    return -(-kv_tokens_at_end(prompt_tokens, max_tokens, max_model_len) // block_size)
 
 
 def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_len: int) -> int:
@@ -28,8 +32,8 @@ def pages_growth(running: Iterable[Sequence], blocks: BlockManager, max_model_le
     shared: dict[int, int] = {}  # page -> holders, for shared partly filled blocks the next write goes into
     for seq in running:
         prompt = len(seq.prompt_ids)
-        kv_end = min(prompt + (seq.params.max_tokens or max_model_len), max_model_len) - 1
-        end_blocks = blocks_at_end(prompt, seq.params.max_tokens or max_model_len, max_model_len, size)
+        kv_end = kv_tokens_at_end(prompt, seq.params.max_tokens or None, max_model_len)
+        end_blocks = -(-kv_end // size)
         if seq.fork_into > 1:
             prompt_blocks = -(-prompt // size)
             growth += max(0, prompt_blocks - len(seq.block_table))

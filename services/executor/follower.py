@@ -18,12 +18,10 @@ from services.executor.service import heartbeat
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
-from shared.core.kv_report import kv_fields
-from shared.core.latency import BusyWindow
 from shared.core.roles import Role, refusal
+from shared.core.telemetry import NO_QUEUE, Served, executor_telemetry
 from shared.errors import InvalidCommandError
-from shared.messages import (Admission, Command, CommandResult, ErrorInfo, ExecutorTelemetry,
-                             GenerateRequest, KvPages, PingArgs)
+from shared.messages import Admission, Command, CommandResult, ErrorInfo, ExecutorTelemetry, GenerateRequest, PingArgs
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +40,6 @@ class FollowerService:
         self._subs: list = []
         self._telemetry_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # `busy` is the time in its part of the leader's steps, not the waits for the next one: the member
-        # (the fabric's) runs its part through `execute`, so that is what is timed.
-        self.busy = BusyWindow()
-        self._execute = member.execute
-        member.execute = self._execute_timed
-
-    def _execute_timed(self, step):
-        with self.busy.measuring():
-            return self._execute(step)
 
     async def start(self, bus: Bus) -> None:
         self._bus, self._loop = bus, asyncio.get_running_loop()
@@ -79,12 +68,6 @@ class FollowerService:
                 log.warning("executor %s: instance %s is broken: %s", self.id, self.member.plan.id, exc)
                 self._loop.call_soon_threadsafe(self.broken.set)
                 return
-            except Exception:  # a bug in our part of a step leaves the instance without it: broken too
-                log.exception("executor %s: running the leader's step failed", self.id)
-                self.member.broken = True
-                self.member.world.close()
-                self._loop.call_soon_threadsafe(self.broken.set)
-                return
 
     async def _on_infer(self, incoming: Incoming) -> None:
         await incoming.reply(Admission(
@@ -109,16 +92,12 @@ class FollowerService:
         if incoming.can_reply:
             await incoming.reply(result)
 
-
     def telemetry(self) -> ExecutorTelemetry:
-        member, ledger = self.member, self.member.snapshot()
-        plan = member.plan
-        return ExecutorTelemetry(
-            executor=self.id, instance=self.instance, time=time.time(), model=self.model_name,
-            max_model_len=self.max_model_len, block_size=self.config.engine.block_size,
-            page_bytes=member.arena.page_bytes,
-            kv=KvPages(**kv_fields(ledger)),
-            layers=[layer.bits for layer in plan.layers], swap_order=list(range(len(plan.layers))),
-            running=0, waiting=0, max_waiting=self.config.engine.max_waiting, preemptions=0, prompt_tokens=0,
-            generated_tokens=0, queue_delay_s=0.0, ttft_s=0.0, tpot_s=0.0, draining=self.draining, plan=plan,
-            busy=self.busy.share(), layer_pages=member.arena.slot_pages, spare_pages=member.arena.ledger.num_free)
+        member, plan = self.member, self.member.plan
+        served = Served(executor=self.id, instance=self.instance, model=self.model_name,
+                        max_model_len=self.max_model_len, block_size=self.config.engine.block_size,
+                        page_bytes=member.arena.page_bytes, layer_pages=member.arena.slot_pages, kv_heads=0,
+                        max_waiting=self.config.engine.max_waiting)
+        return executor_telemetry(served, time.time(), member.snapshot(), NO_QUEUE, layers=[], swap_order=[],
+                                  member_of=plan, plan=plan, free_pages=member.arena.ledger.num_free,
+                                  busy=member.busy.share(), draining=self.draining)

@@ -23,17 +23,16 @@ from services.executor.worker import EngineWorker
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
-from shared.core.admission import queue_wait_s
 from shared.core.errors import EngineError
-from shared.core.kv_report import kv_fields
 from shared.core.plans import alone_id
 from shared.core.roles import Role, refusal, role_of
 from shared.core.scheduling.phases import LatencyReports
+from shared.core.telemetry import Queue, Served, executor_telemetry
 from shared.core.tp_scheduler import MAX_TP, world_allows
 from shared.errors import InvalidCommandError
 from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
                              DrainArgs, ErrorInfo, Event, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
-                             InstancePlan, KvPages, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
+                             InstancePlan, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
                              RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
 
 if TYPE_CHECKING:  # annotations only
@@ -390,29 +389,29 @@ class ExecutorService:
         following = worker.following
         if following is not None:  # its part of the instance: the leader's blocks, its own arena
             ledger = following.snapshot()
-        member = engine.member or following
-        return ExecutorTelemetry(
-            executor=self.id, instance=self.instance, time=snap.taken, model=self.model_name,
-            max_model_len=engine.max_model_len,
-            block_size=engine.config.block_size, page_bytes=engine.arena.page_bytes,
-            kv=KvPages(**kv_fields(ledger)),
-            layers=snap.layers if member is None else [layer.bits for layer in self.plan.layers],
-            swap_order=engine.swapper.swap_order if member is None else list(range(len(self.plan.layers))),
-            running=stats.running, waiting=stats.waiting, max_waiting=engine.config.max_waiting,
-            preemptions=stats.preemptions, admission_blocked=stats.admission_blocked, rejected=worker.rejected,
-            prompt_tokens=stats.prompt_tokens,
-            generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
-            ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), draining=self.draining, gpu=self._gpu_stats(),
-            plan=self.plan, max_num_seqs=snap.max_num_seqs, requests=worker.finished.drain(),
-            pages_growth=snap.pages_growth, busy=worker.busy.share(), layer_pages=engine.arena.slot_pages,
-            spare_pages=engine.arena.ledger.num_free if engine.member is not None else 0,
+        served = Served(executor=self.id, instance=self.instance, model=self.model_name,
+                        max_model_len=engine.max_model_len, block_size=engine.config.block_size,
+                        page_bytes=engine.arena.page_bytes, layer_pages=engine.arena.slot_pages,
+                        kv_heads=engine.model_config.num_kv_heads, max_waiting=engine.config.max_waiting)
+        queue = Queue(running=stats.running, waiting=stats.waiting, max_num_seqs=snap.max_num_seqs,
+                      preemptions=stats.preemptions, admission_blocked=stats.admission_blocked,
+                      rejected=worker.rejected, prompt_tokens=stats.prompt_tokens,
+                      generated_tokens=stats.generated_tokens, queue_delay_s=worker.queue_delay.mean(),
+                      ttft_s=worker.ttft.mean(), tpot_s=worker.tpot.mean(), departures=snap.departures,
+                      pages_growth=snap.pages_growth, longest_blocks=snap.longest_blocks,
+                      requests=worker.finished.drain())
+        leads_instance = engine.member is not None
+        return executor_telemetry(
+            served, snap.taken, ledger, queue, layers=snap.layers, swap_order=engine.swapper.swap_order,
+            member_of=self.plan if leads_instance or following is not None else None, plan=self.plan,
+            free_pages=engine.arena.ledger.num_free if leads_instance else 0,
+            busy=(following.busy if following is not None else worker.busy).share(),
+            draining=self.draining, hold_s=max(0.0, worker.hold_until - time.monotonic()) if leads_instance else 0.0,
             world=list(self.world.names) if self.world is not None else [],
-            kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()], longest_blocks=snap.longest_blocks,
-            kv_heads=engine.model_config.num_kv_heads,
-            merge_hold_s=max(0.0, worker.hold_until - time.monotonic()) if engine.member is not None else 0.0,
+            kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()],
             layer_seconds=self._latency.report(snap.steps_load, snap.taken)
             if self._latency is not None and snap.steps_load is not None else {},
-            predicted_wait_s=queue_wait_s(stats.waiting, stats.running, snap.max_num_seqs, *snap.departures))
+            gpu=self._gpu_stats())
 
     def _gpu_stats(self) -> GpuStats | None:
         device = self.engine.config.device

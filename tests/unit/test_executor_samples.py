@@ -12,10 +12,14 @@ import itertools
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.follower import FollowerService
+from services.executor.engine.model.decoder import ForwardBatch
+from services.executor.fabric import step as wire
+from services.executor.fabric.member import InstanceMember
+from services.executor.fabric.world import FabricError
 from services.executor.service import ExecutorService
 from shared import subjects
 from shared.config import ExecutorConfig
@@ -168,21 +172,40 @@ def test_spans_back_to_back_are_begin_and_end_at_each_to_the_float(start, length
     assert (list(at_once._spans), at_once._total) == (list(one_by_one._spans), one_by_one._total)
 
 
+class _Following:
+    """The parts of an InstanceMember that follow_one reaches: the leader's steps arrive after a wait, and our part
+    of a RUN step takes its time (or fails)."""
+
+    def __init__(self, kinds: list[int], part_s: float = 0.2, fails: bool = False):
+        self.kinds, self.part_s, self.fails = kinds, part_s, fails
+        self.busy, self.broken, self.closed = BusyWindow(), False, False
+        self.me, self.world = "exec1", self
+
+    def share(self, _tensor, _what):
+        time.sleep(0.5)
+        none = torch.empty(0, dtype=torch.int64)
+        return wire.encode(wire.StepPlan(self.kinds.pop(0), batch=ForwardBatch(none, none, none, [], [], none)))
+
+    def execute(self, step):
+        time.sleep(self.part_s)
+        if self.fails:
+            raise RuntimeError("a bug in our part")
+
+    def close(self):
+        self.closed = True
+
+
 def test_a_follower_is_busy_inside_its_part_of_a_step_not_while_waiting_for_the_next():
-    class Member:  # the fabric's member: waits for the leader's step, then runs its part through execute
-        def execute(self, step):
-            time.sleep(0.2)
-            return step
+    member = _Following([wire.RUN])
+    assert InstanceMember.follow_one(member) == wire.RUN
+    assert 0.2 <= member.busy.share() < 0.6
 
-        def follow_one(self):
-            time.sleep(0.5)
-            self.execute("run")
 
-    member = Member()
-    follower = FollowerService(ExecutorConfig(), member, max_model_len=256)
-    member.follow_one()
-    assert 0.2 <= follower.busy.share() < 0.6
-    assert member.execute("again") == "again"  # what the member's part returns still reaches the member
+def test_a_bug_in_a_followers_part_breaks_its_instance_as_a_lost_member_would():
+    member = _Following([wire.RUN], part_s=0.0, fails=True)
+    with pytest.raises(FabricError, match="exec1's part of the leader's step failed"):
+        InstanceMember.follow_one(member)
+    assert member.broken and member.closed
 
 
 # --- the pages still to come --------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, LeaderLeft, World, checked
 from shared.config import EngineConfig
 from shared.core.kv_report import instance_pages
+from shared.core.latency import BusyWindow
 from shared.core.memory.ledger import LedgerSnapshot, PageLedger
 from shared.core.plans import Segment, layers_on, quantized_layers, segments
 from shared.messages import InstancePlan
@@ -75,6 +76,7 @@ class InstanceMember:
         self.hidden_size, self.dtype = cfg.hidden_size, dtype
         # Full-precision copies of the layers this member quantized while the instance ran, for their restore.
         self.full_copies: dict[int, dict[str, torch.Tensor]] = {}
+        self.busy = BusyWindow()  # a follower's share of the last second spent in its part of the leader's steps
         self.min_blocks = geometry.pages_for_tokens(max_model_len)  # an instance holds one longest sequence
         self._quantize_as_planned(held)
         self.capacity, blocks = self._agree_on_blocks()
@@ -206,15 +208,26 @@ class InstanceMember:
 
     # --- a follower's side ------------------------------------------------------------------------
     def follow_one(self) -> int:
-        """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it; returns
-        the step's kind (a SPLIT is the caller's to carry out: it needs the engine)."""
+        """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it, timed into
+        `busy`; returns the step's kind (a SPLIT is the caller's to carry out: it needs the engine). Every follower
+        loops on this, so a failure is handled alike: FabricError, and a bug in our part breaks the instance too
+        (it cannot step without us)."""
         step = wire.decode(self.share(None, "waiting for the leader's step"))
         self.kv_free, self.kv_used = step.kv_free, step.kv_used
-        if step.kind == wire.RUN:
-            self.execute(step)
-        elif step.kind == wire.RESHAPE:
-            reshape.follow(self, step)
-        elif step.kind == wire.LEAVE:
+        try:
+            if step.kind == wire.RUN:
+                with self.busy.measuring():
+                    self.execute(step)
+            elif step.kind == wire.RESHAPE:
+                reshape.follow(self, step)
+        except FabricError:
+            raise
+        except Exception as exc:
+            log.exception("executor %s: running the leader's step failed", self.me)
+            self.broken = True
+            self.world.close()
+            raise FabricError(f"{self.me}'s part of the leader's step failed: {exc!r}") from exc
+        if step.kind == wire.LEAVE:
             raise LeaderLeft(f"the leader of instance {self.plan.id} ended it")
         return step.kind
 

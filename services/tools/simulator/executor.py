@@ -39,7 +39,7 @@ from services.tools.simulator.instance import SimulatedRefusal, swap
 from services.tools.simulator.member import MemberArena
 from services.tools.simulator.tokens import CountedTokens
 from shared.config import ExecutorConfig
-from shared.core.admission import Departures, admits, queue_wait_s, waiting_ahead
+from shared.core.admission import Departures, admits, waiting_ahead
 from shared.core.errors import KvCapacityError, OutOfPagesError, QueueFullError
 from shared.core.latency import BusyWindow, FinishedSamples, LatencyWindow
 from shared.core.memory.block_manager import BlockManager
@@ -52,14 +52,14 @@ from shared.core.scheduling.growth import pages_growth
 from shared.core.scheduling.phases import LatencyReports, StepsLoad
 from shared.core.scheduling.scheduler import Scheduler, SchedulerOutput
 from shared.core.scheduling.sequence import Sequence
-from shared.core.slots import SwapRefused, next_layers, slot_moves
+from shared.core.slots import SwapRefused, next_layers, resize_slots, slot_moves
+from shared.core.telemetry import Queue, Served, executor_telemetry
 from shared.messages import (
     BatchArgs,
     CommandArgs,
     EvictArgs,
     ExecutorTelemetry,
     InstancePlan,
-    KvPages,
     KvUnits,
     MigrateArgs,
     QuantizeArgs,
@@ -593,22 +593,15 @@ class SimExecutor(MemberArena):
     def set_bits(self, layers: list[int], bits: int) -> None:
         """As LayerSwapper.set_bits, without weights: take slot pages back (moving live KV out first), or release
         them."""
-        moves = {i: slot_moves(self._slot(i), self.slot_pages[self.layer_bits[i]], self.slot_pages[bits])
-                 for i in layers}
-        pages = {p for reclaim, _ in moves.values() for p in reclaim}
-        if pages:
-            try:
-                self.scheduler.evacuate(pages)
-            except OutOfPagesError as exc:
-                raise SimulatedRefusal(f"restore refused: {exc.needed} live KV blocks need moving out of the "
-                                       f"layers' slots, but only {exc.free} free KV pages are elsewhere") from exc
-        for i in layers:
-            reclaim, release = moves[i]
-            if reclaim:
-                self.ledger.assign_slot(i, reclaim)
-            if release:
-                self.ledger.release_slot_pages(i, release)
-            self.layer_bits[i] = bits
+        def write(layer: int) -> None:
+            self.layer_bits[layer] = bits
+
+        changes = {i: (self._slot(i), self.slot_pages[self.layer_bits[i]], self.slot_pages[bits]) for i in layers}
+        try:
+            resize_slots(self.ledger, changes, self.scheduler.evacuate, write)
+        except OutOfPagesError as exc:
+            raise SimulatedRefusal(f"restore refused: {exc.needed} live KV blocks need moving out of the "
+                                   f"layers' slots, but only {exc.free} free KV pages are elsewhere") from exc
 
     def _slot(self, layer: int) -> range:
         size = self.slot_pages[FULL_BITS]
@@ -625,24 +618,25 @@ class SimExecutor(MemberArena):
         if self.longest is None:
             self.longest = max((r.prompt_tokens + r.output_tokens for r in self.requests.values()), default=0)
         longest = self.longest if leads else 0
-        return unvalidated(
-            ExecutorTelemetry, executor=self.id, instance=self.instance, time=now, model=self.shape.name,
-            max_model_len=self.max_model_len, block_size=self.limits.block_size, page_bytes=self.page_bytes,
-            kv=unvalidated(KvPages, **self.kv_pages(snap)),
-            layers=list(self.layer_bits), swap_order=list(self.swap_order), plan=self.plan,
-            world=list(self.world), kv_units=list(self.kv_units(snap.pages_kv)),
-            spare_pages=self.ledger.num_free if self.group else 0,
-            longest_blocks=self.blocks_at_end(longest, 0) if longest else 0,
-            merge_hold_s=max(0.0, self.hold_until - now) if self.group is not None else 0.0,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            max_waiting=self.limits.max_waiting, preemptions=self.scheduler.num_preemptions,
-            admission_blocked=self.scheduler.num_admission_blocked, rejected=self.rejected,
-            prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
-            queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
-            max_num_seqs=self.scheduler.max_num_seqs if leads else 0, requests=self.finished.drain(),
-            pages_growth=self._pages_growth(),
-            busy=self.busy.share(now),
-            layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
+        served = Served(executor=self.id, instance=self.instance, model=self.shape.name,
+                        max_model_len=self.max_model_len, block_size=self.limits.block_size,
+                        page_bytes=self.page_bytes, layer_pages=self.slot_pages[FULL_BITS],
+                        kv_heads=self.shape.num_kv_heads, max_waiting=self.limits.max_waiting)
+        scheduler = self.scheduler
+        queue = Queue(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                      max_num_seqs=scheduler.max_num_seqs if leads else 0, preemptions=scheduler.num_preemptions,
+                      admission_blocked=scheduler.num_admission_blocked, rejected=self.rejected,
+                      prompt_tokens=self.counts["prompt_tokens"], generated_tokens=self.counts["generated_tokens"],
+                      queue_delay_s=self.queue_delay.mean(now), ttft_s=self.ttft.mean(now), tpot_s=self.tpot.mean(now),
+                      departures=self.departures.recent(now), pages_growth=self._pages_growth(),
+                      longest_blocks=self.blocks_at_end(longest, 0) if longest else 0,
+                      requests=self.finished.drain())
+        group = self.group
+        return executor_telemetry(
+            served, now, self.reported_pages(snap), queue, layers=list(self.layer_bits),
+            swap_order=list(self.swap_order), member_of=group.plan if group is not None else None, plan=self.plan,
+            free_pages=self.ledger.num_free, busy=self.busy.share(now), draining=False,
+            hold_s=max(0.0, self.hold_until - now) if group is not None else 0.0, world=self.world,
+            kv_units=self.kv_units(snap.pages_kv),
             layer_seconds=self.latency_reports.report(self.steps_load, now) if self.latency_reports else {},
-            predicted_wait_s=queue_wait_s(len(self.scheduler.waiting), len(self.scheduler.running),
-                                          self.scheduler.max_num_seqs, *self.departures.recent(now)))
+            build=unvalidated)

@@ -111,9 +111,13 @@ class MemberArena:
         return self.units
 
     def kv_pages(self, snap: LedgerSnapshot) -> dict[str, int]:
-        """Telemetry's KvPages, as fields (the bench's poll reads them as a dict, the report makes them one). In an
-        instance, the instance's blocks, as fabric/member.py's snapshot counts them on every member."""
+        """Telemetry's KvPages, as fields (the bench's poll reads them as a dict)."""
+        return kv_fields(self.reported_pages(snap))
+
+    def reported_pages(self, snap: LedgerSnapshot) -> LedgerSnapshot:
+        """The pages its telemetry reports of its ledger's `snap`: in an instance, the instance's blocks, as
+        fabric/member.py's snapshot counts them on every member."""
         if self.group is not None:
             blocks, free = self.group.num_blocks, self.group.ledger.num_free
-            snap = instance_pages(snap, blocks, free, blocks - free, self.group.freed_pages(self.id))
-        return kv_fields(snap)
+            return instance_pages(snap, blocks, free, blocks - free, self.group.freed_pages(self.id))
+        return snap

@@ -18,7 +18,7 @@ from services.executor.engine.model.decoder import DecoderModel, slot_views
 from services.executor.engine.morphing.variants import VariantStore
 from shared.core.errors import EngineError, OutOfPagesError
 from shared.core.scheduling.scheduler import Scheduler
-from shared.core.slots import SwapRefused, next_layers, slot_moves
+from shared.core.slots import SwapRefused, next_layers, resize_slots
 
 
 class SwapError(EngineError):
@@ -84,20 +84,14 @@ class LayerSwapper:
         bad = [i for i in layers if not 0 <= i < len(self.model.layers)]
         if bad or len(set(layers)) != len(layers):
             raise SwapError(f"layer indices must be distinct and in [0, {len(self.model.layers)}): {layers}")
-        moves = {i: slot_moves(self._slot(i), self.pages_for(self.model.layer_bits[i]), self.pages_for(bits))
-                 for i in layers}
-        relocated = self._vacate({p for reclaim, _ in moves.values() for p in reclaim})
-        released = 0
-        for i in layers:
-            reclaim, release = moves[i]
-            if reclaim:
-                self.arena.ledger.assign_slot(i, reclaim)
-            self._write(i, bits)
-            if release:
-                self.arena.ledger.release_slot_pages(i, release)
-                released += len(release)
-        reclaimed = sum(len(reclaim) for reclaim, _ in moves.values())
-        return SwapReport(list(layers), bits, released, reclaimed, relocated, time.perf_counter() - start)
+        changes = {i: (self._slot(i), self.pages_for(self.model.layer_bits[i]), self.pages_for(bits)) for i in layers}
+        try:
+            done = resize_slots(self.arena.ledger, changes, self._vacate, lambda i: self._write(i, bits))
+        except OutOfPagesError as exc:
+            raise SwapError(f"restoring needs {exc.needed} live KV blocks moved out of the layers' slots, but only "
+                            f"{exc.free} free KV pages are elsewhere") from exc
+        return SwapReport(list(layers), bits, done.released, done.reclaimed, len(done.moved),
+                          time.perf_counter() - start)
 
     def restore(self, layers: list[int]) -> SwapReport:
         return self.set_bits(layers, self.model.full_bits)
@@ -106,21 +100,15 @@ class LayerSwapper:
     def _slot(self, layer: int) -> range:
         return self.arena.slot_range(layer)
 
-    def _vacate(self, pages: set[int]) -> int:
-        """Move live KV out of `pages` (block tables first, then the data); returns the pages moved.
-        Refuses, changing nothing, when the KV pages elsewhere cannot take it."""
-        if not pages:
-            return 0
-        try:
-            moved = self.scheduler.evacuate(pages)
-        except OutOfPagesError as exc:
-            raise SwapError(f"restoring needs {exc.needed} live KV blocks moved out of the layers' slots, but only "
-                            f"{exc.free} free KV pages are elsewhere") from exc
+    def _vacate(self, pages: set[int]) -> dict[int, int]:
+        """Move live KV out of `pages` (block tables first, then the data). Refuses with OutOfPagesError,
+        changing nothing, when the KV pages elsewhere cannot take it."""
+        moved = self.scheduler.evacuate(pages)
         if moved:
             device = self.arena.buffer.device
             src, dst = torch.tensor(list(moved), device=device), torch.tensor(list(moved.values()), device=device)
             self.arena.kv_cache[dst] = self.arena.kv_cache[src]
-        return len(moved)
+        return moved
 
     # --- weights ------------------------------------------------------------------------------
     def _write(self, layer: int, bits: int) -> None:

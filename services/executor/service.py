@@ -11,29 +11,24 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.executor.fabric.kv_heads import KvPlanError
+from services.executor.commands import Commands
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, Incoming, unsubscribe
 from shared.config import ExecutorConfig, served_model_name
-from shared.core.errors import EngineError
 from shared.core.plans import alone_id
-from shared.core.roles import Role, refusal, role_of
 from shared.core.scheduling.phases import LatencyReports
 from shared.core.telemetry import Queue, Served, executor_telemetry
-from shared.core.tp_scheduler import MAX_TP, world_allows
-from shared.errors import InvalidCommandError
-from shared.messages import (Admission, BatchArgs, Cancel, Command, CommandResult, DetokenizeReply, DetokenizeRequest,
-                             DrainArgs, ErrorInfo, Event, EvictArgs, ExecutorTelemetry, GenerateRequest, GpuStats,
-                             InstancePlan, KvUnits, MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs,
-                             RestoreArgs, TokenizeReply, TokenizeRequest, TpMergeArgs, TpSplitArgs)
+from shared.core.tp_scheduler import MAX_TP
+from shared.messages import (Admission, Cancel, Command, DetokenizeReply, DetokenizeRequest, ErrorInfo, Event,
+                             ExecutorTelemetry, GenerateRequest, GpuStats, InstancePlan, KvUnits, TokenizeReply,
+                             TokenizeRequest)
 
 if TYPE_CHECKING:  # annotations only
     from services.executor.engine.engine import LLMEngine
@@ -64,19 +59,7 @@ def latency_profile_path(choice: str | None, device: str, layers: object) -> str
 
 log = logging.getLogger(__name__)
 
-COMMAND_MEMORY = 1024  # (issuer, seq) results remembered for idempotent replies
 PRESSURE_EVENT_INTERVAL_S = 1.0
-
-
-def morph(engine, args: QuantizeArgs | RestoreArgs) -> dict:
-    """Apply a quantize or restore command in the engine thread; returns what changed."""
-    swapper = engine.swapper
-    bits = args.bits if isinstance(args, QuantizeArgs) else engine.model.full_bits
-    layers = swapper.next_layers(args.layers, bits) if isinstance(args.layers, int) else args.layers
-    report = swapper.set_bits(layers, bits)
-    return {"changed": report.layers, "bits": report.bits, "pages_released": report.pages_released,
-            "pages_reclaimed": report.pages_reclaimed, "blocks_relocated": report.blocks_relocated,
-            "seconds": report.seconds}
 
 
 async def heartbeat(bus: Bus, executor: str, telemetry: Callable[[], ExecutorTelemetry], interval_s: float,
@@ -142,7 +125,7 @@ class ExecutorService:
             self._latency = LatencyReports(latency, engine.model.full_bits, config.latency_window_s)
             engine.count_steps()
             log.info("executor %s: reporting layer seconds from the latency profile %s", self.id, profile)
-        self._commands: OrderedDict[tuple[str, int], CommandResult] = OrderedDict()
+        self._commands = Commands(self)
         self._bus: Bus | None = None
         self._outbox = Outbox(self.id, config.outbox_limit, config.flush_timeout_s)
         self._telemetry_task: asyncio.Task | None = None
@@ -171,8 +154,8 @@ class ExecutorService:
         self._subs = [await bus.subscribe(subjects.infer(self.id), GenerateRequest, self._on_infer,
                                           refuse=self._refuse_request),
                       await bus.subscribe(subjects.cancel(self.id), Cancel, self._on_cancel),
-                      await bus.subscribe(subjects.command(self.id), Command, self._on_command,
-                                          refuse=self._refuse_command),
+                      await bus.subscribe(subjects.command(self.id), Command, self._commands.on_command,
+                                          refuse=self._commands.refuse),
                       await bus.subscribe(subjects.tokenize(self.id), TokenizeRequest, self._on_tokenize),
                       await bus.subscribe(subjects.detokenize(self.id), DetokenizeRequest, self._on_detokenize)]
         await bus.flush()
@@ -248,14 +231,6 @@ class ExecutorService:
         return Admission(request_id=body["request_id"], executor=self.id, accepted=False,
                          error=ErrorInfo(type="invalid_request_error", message=bad.problem, param=bad.param))
 
-    def _refuse_command(self, bad: BadMessage) -> CommandResult | None:
-        body = bad.body if isinstance(bad.body, dict) else {}
-        seq, issuer = body.get("seq"), body.get("issuer")
-        if not isinstance(seq, int) or not isinstance(issuer, str):
-            return None
-        return CommandResult(seq=seq, issuer=issuer, executor=self.id, kind=str(body.get("kind")), ok=False,
-                             error=f"refused: {bad.problem}")
-
     async def _on_tokenize(self, incoming: Incoming) -> None:
         # In a thread: a long prompt would hold up the loop's telemetry and token traffic otherwise.
         try:
@@ -274,84 +249,6 @@ class ExecutorService:
             reply = DetokenizeReply(executor=self.id, error=ErrorInfo(type="internal_error", message=repr(exc)))
         await incoming.reply(reply)
 
-    async def _on_command(self, incoming: Incoming) -> None:
-        cmd: Command = incoming.message
-        key = (cmd.issuer, cmd.seq)
-        result = self._commands.get(key)
-        # nats-py runs one subscription's callbacks one at a time, so a retry of a command still running
-        # waits behind it and is answered from the record below: a swap never runs twice.
-        if result is None:
-            result = await self._run_command(cmd)
-            self._commands[key] = result
-            while len(self._commands) > COMMAND_MEMORY:
-                self._commands.popitem(last=False)
-        if incoming.can_reply:
-            await incoming.reply(result)
-
-    async def _run_command(self, cmd: Command) -> CommandResult:
-        result = CommandResult(seq=cmd.seq, issuer=cmd.issuer, executor=self.id, kind=cmd.kind, ok=True)
-        snap = self.worker.snapshot
-        try:
-            args = cmd.parsed_args()
-            if (why := refusal(self._role(), cmd.kind, self.id, *self._instance_and_leader())) is not None:
-                raise InvalidCommandError(why, "kind")
-            if isinstance(args, PingArgs):
-                result.state = {"running": snap.stats.running, "waiting": snap.stats.waiting,
-                                "draining": self.draining}
-            elif isinstance(args, DrainArgs):
-                self.worker.draining = True
-                result.state = {"in_flight": snap.in_flight}
-            elif isinstance(args, TpMergeArgs):
-                self._check_merge(args)
-                report = await asyncio.wrap_future(self.worker.call(
-                    lambda: self.worker.merge(self.world, args.executors, args.instance, args.hold_s)))
-                result.state = {"plan": self.plan.model_dump(), **report}
-            elif isinstance(args, TpSplitArgs):
-                self._check_instance(args.instance)
-                result.state = await asyncio.wrap_future(self.worker.call(self.worker.split))
-            elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
-                self._check_instance(args.instance)
-                result.state = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
-            elif self.engine.member is not None:  # quantize or restore, taken by the instance as a whole
-                before = [layer.bits for layer in self.plan.layers]
-                report = await asyncio.wrap_future(self.worker.call(lambda: self._reshape(args)))
-                result.state = {"changed": [i for i, (a, b) in enumerate(zip(report["layers"], before)) if a != b],
-                                **report}
-            else:
-                report = await asyncio.wrap_future(self.worker.call(lambda: morph(self.engine, args)))
-                result.state = {"layers": list(self.engine.model.layer_bits), **report}
-        except (InvalidCommandError, EngineError, KvPlanError) as exc:  # SwapError among them
-            result.ok, result.error = False, f"{cmd.kind} refused: {exc}"
-        log.info("executor %s: command %s #%d from %s: ok=%s", self.id, cmd.kind, cmd.seq, cmd.issuer, result.ok)
-        return result
-
-    def _role(self) -> Role:
-        following = self.worker.following
-        return role_of(in_instance=following is not None or self.engine.member is not None,
-                       leads=following is None, merged=self.plan is not None and self.plan.merged)
-
-    def _instance_and_leader(self) -> tuple[str | None, str | None]:
-        if (following := self.worker.following) is not None:
-            return following.plan.id, following.leader
-        return self.instance_id, self.id
-
-    def _check_merge(self, args: TpMergeArgs) -> None:
-        """What every member can check alone before the merge's first collective, so that none of them waits
-        for a member that will not come (the gateway checks the same against the cluster state first)."""
-        if self.engine.member is not None or len(self.plan.members) > 1:
-            raise InvalidCommandError(f"{self.id} is already in instance {self.instance_id} of "
-                                      f"{len(self.plan.members)}: only executors serving alone merge", "kind")
-        if self.world is None:
-            raise InvalidCommandError(f"{self.id} is in no world of executors: it has nobody to merge with", "kind")
-        if self.id not in args.executors or len(set(args.executors)) != len(args.executors) \
-                or len(args.executors) not in (2, MAX_TP):
-            raise InvalidCommandError(f"executors must be 2 or {MAX_TP} distinct executors, {self.id} among them; "
-                                      f"got {args.executors}", "args.executors")
-        if not world_allows(self.world.names, args.executors):
-            raise InvalidCommandError(f"executors {args.executors} cannot form one instance in this world "
-                                      f"({self.world.names}): any two can, four only as consecutive ranks "
-                                      f"from a multiple of four", "args.executors")
-
     @property
     def plan(self) -> InstancePlan | None:
         """The plan it serves now: its instance's, which operations change, else the one it was given."""
@@ -362,19 +259,6 @@ class ExecutorService:
     @property
     def instance_id(self) -> str:
         return self.engine.member.plan.id if self.engine.member is not None else alone_id(self.id)
-
-    def _check_instance(self, instance: str) -> None:
-        if instance != self.instance_id:
-            raise InvalidCommandError(f"{self.id} leads instance {self.instance_id!r}, not {instance!r}",
-                                      "args.instance")
-
-    def _reshape(self, args: ReplicateArgs | MigrateArgs | EvictArgs | QuantizeArgs | RestoreArgs | BatchArgs
-                 ) -> dict:
-        """In the engine thread, between two steps."""
-        if isinstance(args, BatchArgs):
-            before = self.engine.set_max_num_seqs(args.max_num_seqs)
-            return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}
-        return self.engine.reshape(args)
 
     # --- sending ------------------------------------------------------------------------------
     async def _publish(self, subject: str, message) -> None:

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.service import ExecutorService, morph
+from services.executor.commands import morph
+from services.executor.service import ExecutorService
 from shared import subjects
 from shared.bus import BusUnavailable
 from shared.config import EngineConfig, ExecutorConfig

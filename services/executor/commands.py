@@ -145,6 +145,6 @@ class Commands:
         """In the engine thread, between two steps."""
         engine = self.service.engine
         if isinstance(args, BatchArgs):
-            before = engine.set_max_num_seqs(args.max_num_seqs)
+            before = engine.scheduler.cap_batch(args.max_num_seqs)
             return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}
         return engine.reshape(args)

@@ -5,7 +5,7 @@ tables that hold it), and every admitted request is finished, aborted, or still 
 """
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -13,7 +13,8 @@ from shared.core.errors import QueueFullError
 from shared.core.memory.block_manager import BlockManager
 from shared.core.memory.ledger import PageLedger
 from shared.core.scheduling.scheduler import Scheduler
-from shared.core.scheduling.sequence import Sequence, Status
+from shared.core.scheduling.sequence import Sequence, Status, finish_reason
+from shared.errors import InvalidCommandError
 from shared.sampling import SamplingOptions
 
 BLOCK = 4
@@ -184,3 +185,37 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+@given(st.integers(1, 64), st.lists(st.integers(-2, 80), max_size=8))
+def test_a_batch_cap_moves_within_the_configured_batch_and_a_refused_one_changes_nothing(configured, caps):
+    sched = make_scheduler(max_num_seqs=configured)
+    for cap in caps:
+        before = sched.max_num_seqs
+        if 1 <= cap <= configured:
+            assert sched.cap_batch(cap) == before and sched.max_num_seqs == cap
+        else:
+            with pytest.raises(InvalidCommandError, match=f"between 1 and {configured}"):
+                sched.cap_batch(cap)
+            assert sched.max_num_seqs == before
+
+
+@pytest.mark.parametrize("token, output, max_tokens, ignore_eos, expected", [
+    (2, [5, 2], None, False, ("stop", None)),  # the end-of-sequence token
+    (2, [5, 2], 2, True, ("length", None)),  # ignored, and max_tokens reached
+    (7, [7], None, False, ("stop", 7)),  # a stop token, named as the stop reason
+    (9, [9], None, False, ("stop", "END")),  # the text completed a stop string
+    (4, [4, 4, 4], 3, False, ("length", None)),
+    (4, [4], None, False, (None, None)),
+])
+def test_a_sequence_finishes_as_openai_names_it(token, output, max_tokens, ignore_eos, expected):
+    params = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=[7])
+    seq = Sequence("r", 0, [1, 1], params, 0.0, output_ids=output)
+    asked = []
+
+    def stop_string(t: int) -> str | None:
+        asked.append(t)
+        return "END" if t == 9 else None
+
+    assert finish_reason(token, stop_string, seq, (2,), max_model_len=64) == expected
+    assert asked == ([] if expected[1] == 7 or expected == ("stop", None) else [token])

@@ -15,27 +15,24 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.engine.graphs import DecodeGraphs, warm_linears
-from services.executor.engine.memory.arena import Arena, ArenaGeometry
-from services.executor.engine.model.decoder import DecoderModel, layer_layout
 from services.executor.engine.model.loader import load_checkpoint, resolve_model_path
 from services.executor.engine.model.tokenizer import Tokenizer
 from services.executor.engine.morphing.swapper import LayerSwapper
 from services.executor.engine.morphing.variants import VariantStore, calibration_windows
-from services.executor.engine.runner import ModelRunner
+from services.executor.engine.runner import ModelRunner, alone
 from services.executor.engine.scheduling import handover
 from services.executor.engine.scheduling.outputs import (Completion, CompletionDelta, CompletionOutput, TextStream,
                                                          TokenLogprob)
 from services.executor.engine.scheduling.sampler import SamplingRow, sample, skip_draws
 from shared.config import EngineConfig
-from shared.core.errors import DuplicateRequestError, KvCapacityError
+from shared.core.errors import DuplicateRequestError
 from shared.core.memory.block_manager import BlockManager
 from shared.core.memory.ledger import LedgerSnapshot
 from shared.core.scheduling.growth import blocks_at_end
 from shared.core.scheduling.phases import StepsLoad, phases
+from shared.core.scheduling.limits import EngineLimits, check_request
 from shared.core.scheduling.scheduler import Scheduler
-from shared.core.scheduling.sequence import Sequence, Status
-from shared.errors import InvalidCommandError, InvalidRequestError
+from shared.core.scheduling.sequence import Sequence, Status, finish_reason
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, ResumedCompletion
 from shared.sampling import SamplingOptions
 
@@ -74,7 +71,7 @@ class Place(Protocol):
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True, place: Place | None = None):
         """`place`: where the model runs when this executor leads an instance that spans several executors; None
-        for an executor that holds the whole model."""
+        for an executor that holds the whole model (runner.alone)."""
         self.config = config
         path = resolve_model_path(config.model)
         checkpoint = load_checkpoint(path)
@@ -84,34 +81,18 @@ class LLMEngine:
                                                           if self.tokenizer.eos_token_id is not None else ())
         self.max_model_len = model_len(config, cfg)
         dtype = DTYPES[config.resolved_dtype()]
-        if place is None:
-            geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
-            _, layer_bytes = layer_layout(cfg, dtype)
-            self.arena = Arena(geometry, config.memory_budget, layer_bytes, config.min_kv_tokens or self.max_model_len,
-                               config.device)
-            self.model = DecoderModel(cfg, self.arena, checkpoint, dtype, config.device, self.max_model_len,
-                                      progress)
-            self.blocks = BlockManager(self.arena.ledger, config.block_size)
-            graphs = None
-            if torch.device(config.device).type == "cuda":
-                warm_linears(self.model, config.variant_bits, config.max_num_batched_tokens)
-                if config.cuda_graphs:
-                    graphs = DecodeGraphs(self.model, config.block_size, self.max_model_len, config.max_num_seqs,
-                                          config.variant_bits, capture=True, progress=progress)
-            self.runner = ModelRunner(self.model, config.block_size, config.device, graphs)
-        else:
-            self.runner = place(checkpoint, dtype, self.max_model_len, progress)
-            self.model = self.runner.model
-            self.arena = self.model.arena
-            self.blocks = BlockManager(self.runner.kv_pages, config.block_size)
+        whole = place is None  # the whole model here, not a share of an instance's
+        self.runner = (place or alone(config))(checkpoint, dtype, self.max_model_len, progress)
+        self.model, self.arena = self.runner.model, self.runner.model.arena
+        self.blocks = BlockManager(self.runner.kv_pages, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         windows = calibration_windows(self.tokenizer, window=min(512, self.max_model_len)) if config.awq else None
         # An instance's members morph together (the fabric's transformations), never one shard on its own.
-        self.variants = VariantStore(self.model, checkpoint.fingerprint() if place is None else None,
+        self.variants = VariantStore(self.model, checkpoint.fingerprint() if whole else None,
                                      config.variant_bits, config.awq, config.variant_cache_dir,
                                      config.host_memory_cap, windows)
-        if config.prepare_variants and place is None:
+        if config.prepare_variants and whole:
             self.variants.prepare(progress)
         self.swapper = LayerSwapper(self.model, self.arena, self.scheduler, self.variants)
         self._rng = random.Random(config.seed)
@@ -123,10 +104,6 @@ class LLMEngine:
         # profile asks for them (`count_steps`), so that a step pays nothing for what nobody reads.
         self.steps_load: StepsLoad | None = None
         self._generate_ids = itertools.count()
-        snap = self.arena.ledger.snapshot()
-        log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
-                 snap.pages_total, self.arena.page_bytes, snap.pages_slot, snap.pages_kv,
-                 snap.pages_kv * config.block_size, self.max_model_len)
 
     @property
     def member(self):
@@ -145,7 +122,9 @@ class LLMEngine:
         prompt_ids = self.check_request(prompt, params, resume)
         arrival = arrival_time or time.time()
         if resume:
-            seqs = [self._resumed(request_id, prompt_ids, params, arrival, deadline, r) for r in resume]
+            seqs = [self._resumed(Sequence(request_id, r.index, prompt_ids, params, arrival, deadline,
+                                           generator=self._generator(params, r.index), output_ids=list(r.token_ids)),
+                                  r.text_chars) for r in resume]
         else:
             seqs = [Sequence(request_id, 0, prompt_ids, params, arrival, deadline, fork_into=params.n,
                              generator=self._generator(params, 0))]
@@ -159,58 +138,20 @@ class LLMEngine:
                       resume: list[ResumedCompletion] | None = None) -> list[int]:
         """The prompt's token ids if this engine, as it is now, can take the request; InvalidRequestError or
         KvCapacityError if not. It changes nothing, so the executor asks it outside the engine thread."""
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary), got "
-                                      f"{params.stop_token_ids}", param="stop_token_ids")
-        if params.n > self.config.max_num_seqs:  # its n sequences start together, so it could never run
-            raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} (the sequences this engine "
-                                      f"runs at once), got {params.n}", param="n")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
-                                      param="prompt")
-        wanted = len(prompt_ids) + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{wanted} tokens ({len(prompt_ids)} in the prompt, {wanted - len(prompt_ids)} for the "
-                f"completion). Please reduce the length of the prompt or the completion.",
-                param="max_tokens" if params.max_tokens else "prompt")
-        blocks, capacity = self.kv_blocks_at_end(len(prompt_ids), params.max_tokens), self.kv_capacity_blocks()
-        if blocks > capacity:
-            raise KvCapacityError(len(prompt_ids), wanted if params.max_tokens else self.max_model_len, blocks,
-                                  capacity)
-        if resume:
-            self._check_resume(resume, prompt_ids, params)
+        limits = EngineLimits(vocab=self.model_config.vocab_size, max_num_seqs=self.config.max_num_seqs,
+                              max_model_len=self.max_model_len, block_size=self.config.block_size,
+                              capacity_blocks=self.kv_capacity_blocks())
+        check_request(prompt_ids, params, limits, [(r.index, r.token_ids) for r in resume or []])
         return prompt_ids
 
-    def _check_resume(self, resume: list[ResumedCompletion], prompt_ids: list[int], params: SamplingOptions) -> None:
-        indices = [r.index for r in resume]
-        if len(set(indices)) != len(indices) or max(indices) >= params.n:
-            raise InvalidRequestError(f"resume must name distinct completions below n={params.n}, got {indices}",
-                                      param="resume")
-        vocab = self.model_config.vocab_size
-        for r in resume:
-            if any(not 0 <= t < vocab for t in r.token_ids):
-                raise InvalidRequestError(f"resumed token ids must be in [0, {vocab})", param="resume")
-            if len(r.token_ids) >= (params.max_tokens or self.max_model_len - len(prompt_ids)):
-                raise InvalidRequestError(f"completion {r.index} already has all its tokens", param="resume")
-
-    def _resumed(self, request_id: str, prompt_ids: list[int], params: SamplingOptions, arrival: float,
-                 deadline: float | None, resumed: ResumedCompletion) -> Sequence:
-        """A sequence that goes on from tokens generated elsewhere: to the scheduler it is one preempted
-        after them (their KV is recomputed), to the sampler and the text one that sampled them here."""
-        generator = self._generator(params, resumed.index)
-        if generator is not None:
-            skip_draws(generator, self.model.lm_head.shape[0], len(resumed.token_ids))
-        seq = Sequence(request_id, resumed.index, prompt_ids, params, arrival, deadline, generator=generator,
-                       output_ids=list(resumed.token_ids))
-        text = TextStream(self.tokenizer, prompt_ids, params)
-        text.resume(resumed.token_ids, resumed.text_chars)
-        self._text[seq.seq_id] = text
+    def _resumed(self, seq: Sequence, text_chars: int) -> Sequence:
+        """`seq` goes on from tokens generated elsewhere: to the scheduler it is one preempted after them (their KV
+        is recomputed), to the sampler and the text one that sampled them here."""
+        if seq.generator is not None:
+            skip_draws(seq.generator, self.model.lm_head.shape[0], len(seq.output_ids))
+        self._text[seq.seq_id] = text = TextStream(self.tokenizer, seq.prompt_ids, seq.params)
+        text.resume(seq.output_ids, text_chars)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -286,19 +227,10 @@ class LLMEngine:
         return family
 
     def _append_token(self, seq: Sequence, token: int, stamp: float, logprob) -> CompletionDelta:
-        params, text = seq.params, self._text[seq.seq_id]
+        text = self._text[seq.seq_id]
         seq.output_ids.append(token)
         self._counts["generated_tokens"] += 1
-        reason, stop_reason = None, None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif (matched := text.add(token)) is not None:
-            reason, stop_reason = "stop", matched
-        if reason is None and (len(seq.output_ids) >= (params.max_tokens or self.max_model_len)
-                               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        reason, stop_reason = finish_reason(token, text.add, seq, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self._finish(seq, reason, stop_reason)
         return self._delta(seq, [token], [stamp], logprob)
@@ -341,14 +273,6 @@ class LLMEngine:
         """Replicate, migrate, evict, quantize or restore layers of the instance this engine leads, between
         two steps (an executor alone quantizes through its swapper)."""
         return self.runner.reshape(op, self.scheduler)
-
-    def set_max_num_seqs(self, cap: int) -> int:
-        """Run at most `cap` sequences at once from now on (running ones go on); returns the cap before."""
-        if not 1 <= cap <= self.config.max_num_seqs:
-            raise InvalidCommandError(f"max_num_seqs must be between 1 and {self.config.max_num_seqs} (the engine's "
-                                      f"configured batch), got {cap}", "args.max_num_seqs")
-        before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, cap
-        return before
 
     # --- AMOEBAs' merge -----------------------------------------------------------------------
     def export_sequences(self) -> list[dict]:

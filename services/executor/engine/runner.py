@@ -1,13 +1,21 @@
 """Turns the scheduler's decision into the model's packed batch, runs it, returns logits to sample."""
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from kernels.block_copy import copy_blocks
-from services.executor.engine.graphs import DecodeGraphs
-from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk
+from services.executor.engine.graphs import DecodeGraphs, warm_linears
+from services.executor.engine.memory.arena import Arena, ArenaGeometry
+from services.executor.engine.model.checkpoint import Checkpoint
+from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk, layer_layout
+from shared.config import EngineConfig
 from shared.core.errors import ReshapeRefused
 from shared.core.memory.ledger import LedgerSnapshot, PageLedger
 from shared.core.scheduling.scheduler import ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 # Decode attention gathers every sequence's context padded to the longest in its group; a new group
 # starts where padding would exceed this share of a sequence's context. Each group costs a few more
@@ -138,3 +146,27 @@ class ModelRunner:
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
+
+
+def alone(config: EngineConfig) -> Callable[[Checkpoint, torch.dtype, int, bool], ModelRunner]:
+    """The placement of an executor that holds the whole model: an arena of its own, and on CUDA the linears warmed
+    and decode graphs captured where the config asks."""
+    def place(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int, progress: bool) -> ModelRunner:
+        cfg = checkpoint.config
+        geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
+        arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1],
+                      config.min_kv_tokens or max_model_len, config.device)
+        snap = arena.ledger.snapshot()
+        log.info("arena: %d pages of %d bytes, %d in layer slots, %d KV (%d tokens); max_model_len %d",
+                 snap.pages_total, arena.page_bytes, snap.pages_slot, snap.pages_kv, snap.pages_kv * config.block_size,
+                 max_model_len)
+        model = DecoderModel(cfg, arena, checkpoint, dtype, config.device, max_model_len, progress)
+        graphs = None
+        if torch.device(config.device).type == "cuda":
+            warm_linears(model, config.variant_bits, config.max_num_batched_tokens)
+            if config.cuda_graphs:
+                graphs = DecodeGraphs(model, config.block_size, max_model_len, config.max_num_seqs,
+                                      config.variant_bits, capture=True, progress=progress)
+        return ModelRunner(model, config.block_size, config.device, graphs)
+
+    return place

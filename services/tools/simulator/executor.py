@@ -54,6 +54,7 @@ from shared.core.scheduling.scheduler import Scheduler, SchedulerOutput
 from shared.core.scheduling.sequence import Sequence
 from shared.core.slots import SwapRefused, next_layers, resize_slots, slot_moves
 from shared.core.telemetry import Queue, Served, executor_telemetry
+from shared.errors import InvalidCommandError
 from shared.messages import (
     BatchArgs,
     CommandArgs,
@@ -572,10 +573,10 @@ class SimExecutor(MemberArena):
         if args.instance != instance:
             raise SimulatedRefusal(f"{args.kind} refused: {self.id} leads instance {instance!r}, not {args.instance!r}")
         if isinstance(args, BatchArgs):
-            if not 1 <= args.max_num_seqs <= self.limits.max_num_seqs:
-                raise SimulatedRefusal(f"batch refused: max_num_seqs must be between 1 and {self.limits.max_num_seqs} "
-                                       f"(the engine's configured batch), got {args.max_num_seqs}")
-            before, self.scheduler.max_num_seqs = self.scheduler.max_num_seqs, args.max_num_seqs
+            try:
+                before = self.scheduler.cap_batch(args.max_num_seqs)
+            except InvalidCommandError as exc:
+                raise SimulatedRefusal(f"batch refused: {exc}") from exc
             return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}, 0.0
         if self.group is None:
             raise SimulatedRefusal(f"{args.kind} refused: instance {instance} has one member: nowhere to move "

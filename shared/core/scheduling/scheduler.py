@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from shared.core.errors import QueueFullError
 from shared.core.memory.block_manager import BlockManager
 from shared.core.scheduling.sequence import Sequence, Status
+from shared.errors import InvalidCommandError
 
 
 @dataclass
@@ -45,12 +46,22 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
+        self.configured_max_num_seqs = max_num_seqs  # the batch the engine was sized for: no cap goes beyond it
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_admission_blocked = 0  # steps in which the head of the queue waited for KV pages alone
+
+    def cap_batch(self, cap: int) -> int:
+        """Run at most `cap` sequences at once from now on (the running ones go on); returns the cap before.
+        InvalidCommandError, changing nothing, outside 1 to the configured batch."""
+        if not 1 <= cap <= self.configured_max_num_seqs:
+            raise InvalidCommandError(f"max_num_seqs must be between 1 and {self.configured_max_num_seqs} (the "
+                                      f"engine's configured batch), got {cap}", "args.max_num_seqs")
+        before, self.max_num_seqs = self.max_num_seqs, cap
+        return before
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:

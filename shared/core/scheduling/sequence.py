@@ -6,6 +6,7 @@ share the prompt's pages by reference count (copy-on-write for the partly filled
 
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.sampling import SamplingOptions
@@ -62,3 +63,20 @@ class Sequence:
         if end <= n:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+
+def finish_reason(token: int, stop_string: Callable[[int], str | None], seq: Sequence, eos_token_ids: tuple[int, ...],
+                  max_model_len: int) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason) once `seq` has `token` appended, as OpenAI's API names them; (None, None) while
+    it goes on. `stop_string` adds the token to the sequence's text and returns a stop string it completed; it is
+    asked only where no stop token ended the sequence first."""
+    params = seq.params
+    if token in eos_token_ids and not params.ignore_eos:
+        return "stop", None
+    if token in params.stop_token_ids:
+        return "stop", token
+    if (matched := stop_string(token)) is not None:
+        return "stop", matched
+    if len(seq.output_ids) >= (params.max_tokens or max_model_len) or seq.num_tokens >= max_model_len:
+        return "length", None
+    return None, None

@@ -109,6 +109,7 @@ class InstanceMember:
         self.model.reduce = self._all_reduce
         self.hidden_size, self.dtype = self.model.cfg.hidden_size, self.model.dtype
         self.full_copies = {}
+        self.busy = BusyWindow()
         self.min_blocks = self.arena.geometry.pages_for_tokens(engine.max_model_len)
         self.capacity = capacity
         self.page_of = [tuple(row) for row in units.tolist()]

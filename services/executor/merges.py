@@ -1,0 +1,91 @@
+"""AMOEBAs' merge and split as one executor's engine thread takes part in them (fabric/transform.py), between two
+steps: the merged instance it follows, if any, how long the one it leads is held merged, and its KV head units at
+each TP degree its world can form (what the controller weighs a merge by).
+
+The leader of a merged instance keeps its requests' records and takes the followers'; a follower's go with its
+sequences to the leader, and it follows until the SPLIT step, whose sequences come back to their executors.
+"""
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from opentelemetry.context import Context
+
+from services.executor.fabric import step as wire
+from services.executor.fabric import transform
+from services.executor.fabric.kv_heads import KvPlanError
+from services.executor.fabric.member import InstanceMember
+from services.executor.fabric.merge import kv_units
+from services.executor.fabric.world import World
+from services.executor.records import RequestRecords
+from shared.errors import InvalidCommandError
+
+if TYPE_CHECKING:  # annotations only
+    from services.executor.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class Merges:
+    def __init__(self, engine: "LLMEngine", records: RequestRecords, executor: str):
+        self.engine, self.records, self.executor = engine, records, executor
+        self.following: InstanceMember | None = None  # the merged instance it follows (its engine runs no requests)
+        self.tp_degrees: list[int] = []  # those its world can merge it into (set by the service)
+        self.hold_until = 0.0  # time.monotonic() until which the merged instance it leads is held merged
+        self._kv_units: tuple[tuple, dict[int, int]] = ((), {})  # for the layer bits and degrees they were for
+
+    def merge(self, world: World, members: list[str], instance_id: str, hold_s: float = 0.0) -> dict:
+        """Take this executor's part in merging `members` into `instance_id`, held merged `hold_s`
+        (merge_hold_s)."""
+        if self.engine.member is not None or self.following is not None:  # merged since the service checked
+            raise InvalidCommandError(f"{self.executor} is in an instance already: only executors serving alone "
+                                      f"merge", "kind")
+        # The leader keeps its records; trace contexts do not pickle, so those sent go without theirs.
+        carry = [] if members[0] == self.executor else \
+            [replace(t, trace_context=Context()) for t in self.records.tracked.values()]
+        member = transform.merge(self.engine, world, members, self.executor, instance_id, carry)
+        if member.is_leader:
+            self.hold_until = time.monotonic() + hold_s
+            for carried in member.merged_state.carried[1:]:
+                self.records.tracked.update((t.request_id, t) for t in carried)
+        else:
+            self.records.hand_over(list(self.records.tracked), member.leader)
+            self.following = member
+        return member.merged_state.report
+
+    def split(self) -> dict:
+        """The leader's part in splitting its merged instance (the followers' starts with the SPLIT step)."""
+        result = transform.split(self.engine, self.engine.member,
+                                 lambda ids: [replace(self.records.tracked[i], trace_context=Context()) for i in ids])
+        return self._after_split(result)
+
+    def follow(self) -> None:
+        """One turn of following the merged instance's leader (InstanceMember.follow_one), a SPLIT carried out."""
+        member = self.following
+        if member.follow_one() != wire.SPLIT:
+            return
+        try:
+            result = transform.split(self.engine, member)
+        except KvPlanError as exc:  # refused alike by every member: the instance stays merged, and we follow
+            log.warning("executor %s: %s", self.executor, exc)
+            return
+        self.following = None
+        self._after_split(result)
+
+    def _after_split(self, result: dict) -> dict:
+        self.records.tracked.update((t.request_id, t) for t in result.pop("carried") or [])
+        for request_id, executor in result.pop("moved").items():
+            self.records.hand_over([request_id], executor)
+        return result
+
+    def units(self) -> dict[int, int]:
+        """merge.kv_units, recomputed only when the layers' bits change. In a merged instance (whose bits do
+        not change) the last ones stand: what it holds once it splits."""
+        if not self.tp_degrees or self.engine.member is not None or self.following is not None:
+            return self._kv_units[1]
+        key = (tuple(self.engine.model.layer_bits), tuple(self.tp_degrees))
+        if self._kv_units[0] != key:
+            self._kv_units = (key, kv_units(self.engine.model, self.engine.arena, self.tp_degrees))
+        return self._kv_units[1]

@@ -198,3 +198,23 @@ def test_the_circle_finder_sees_a_function_level_circle_and_not_an_annotation(tm
     (package / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.x import e\n")
     (package / "e.py").write_text("from services.x import d\n")
     assert import_circles(tmp_path, ("services",)) == [["services.x.a", "services.x.b", "services.x.c"]]
+
+
+MAX_CLASS_LINES = 300  # a class a reader can hold in mind; a larger one is several jobs in one
+
+
+def long_classes(root: Path, folders=("services", "shared", "kernels")) -> list[str]:
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and (lines := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_class_is_longer_than_a_reader_holds_in_mind(tmp_path):
+    assert long_classes(PROJECT_ROOT) == []
+    (tmp_path / "services").mkdir()
+    (tmp_path / "services" / "big.py").write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES)
+    assert long_classes(tmp_path) == [f"services/big.py:1 Big ({MAX_CLASS_LINES + 1} lines)"]

@@ -29,6 +29,7 @@ Executors: those of one world (the fleet's `world_size`, else all, as `morphling
 each serve as a TP1 instance that can merge within it; with `spare`, bench/modes.py's spare plan makes
 instances of two (CoCoServe's start, instance.py). Windows replay one after another on the same cluster, with
 the bench's rest between them (`rest`).
+The reports and states are reporting.py's, the commands' delivery control.py's (mixed into Simulation).
 Events in the audit shape (`command`, `pressure`) are kept so that the bench's events.actions and
 events.reaction read a simulation as they read a real run.
 """
@@ -36,7 +37,6 @@ events.reaction read a simulation as they read a real run.
 import gc
 import heapq
 import itertools
-import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -48,21 +48,21 @@ from services.tools.bench.modes import spare_plan
 from services.tools.bench.rest import at_rest, shape
 from services.tools.bench.trace import TraceRequest
 from services.tools.simulator import tp
-from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest, SimulatedRefusal
+from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest
 from services.tools.simulator.fleet import Fleet
 from services.tools.simulator.instance import SimInstance
+from services.tools.simulator.control import SimControl
 from services.tools.simulator.merges import MergeRoom
+from services.tools.simulator.reporting import SimReporting
 from shared.config import ControllerConfig, MonitorConfig
-from shared.core.delivery import sendable
 from shared.core.errors import KvCapacityError, QueueFullError
 from shared.core.monitor.aggregate import ClusterView
 from shared.core.monitor.held import HeldReports
-from shared.core.monitor.pace import pace
 from shared.core.plans import parse_plans
 from shared.core.policies import ladder
 from shared.core.policies.interface import PlannedCommand
 from shared.core.router import Unreported, choose_executor, prompt_pages
-from shared.messages import ClusterState, Event, ExecutorTelemetry, InstancePlan, TpMergeArgs
+from shared.messages import ClusterState, Event, ExecutorTelemetry, InstancePlan
 
 PRESSURE_EVENT_EVERY_S = 1.0  # the executor's pressure events on the stream, at most one a second each
 
@@ -132,7 +132,7 @@ def traffic_turns(traffic: dict[str, float]) -> Iterator[str]:
         yield chosen
 
 
-class Simulation:
+class Simulation(SimReporting, SimControl):
     def __init__(self, fleet: Fleet, settings: SimSettings, models: Collection[str] | None = None):
         """`models`: simulate only the executors and requests of these of the fleet's models (a shard,
         shards.py); the monitor's pace and the instances' ids stay the whole fleet's. Every model by default."""
@@ -153,7 +153,7 @@ class Simulation:
                                                 decode_runs=settings.decode_runs, arenas=arenas,
                                                 layout=layouts.get(s.id), starts_in_instance=s.id in layouts)
                               for s in fleet.executors if s.id in shard}
-            self._form_worlds(plans, arenas)
+            form_worlds(self.executors, self.worlds, fleet, settings, plans, arenas)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
         self.view = ClusterView(settings.monitor)
@@ -187,38 +187,6 @@ class Simulation:
         self._models = traffic_turns(fleet.traffic)  # the model each request asks for, in turn
         self._progress: Callable[[], None] | None = None
         self._last_polled: dict[str, dict] = {}  # each executor's last sample (_polled)
-
-    def _form_worlds(self, plans: list[InstancePlan], laid_out: dict) -> None:
-        """Every executor in its world, serving alone, in an instance `up --tp` starts (of the fleet's `plans`,
-        their ledgers of block ids copies of those `laid_out` alike), or, where the fleet has them serve alone, in
-        the spare plan's pairs, numbered after the fleet's TP instances."""
-        for names in self.worlds:
-            for name in names:
-                self.executors[name].join_world(names, self.settings.static_bits)
-        for plan in plans:
-            if plan.leader in self.executors:
-                tp.started(plan, {name: self.executors[name] for name in plan.members}, laid_out)
-        if not self.settings.spare or not self.worlds:
-            return
-        worlds = self.fleet.worlds()
-        if any(len(names) < 2 or len(names) % 2 for names in worlds):
-            raise ValueError(f"the spare plan runs instances of two executors of one world; the fleet's worlds "
-                             f"hold {[len(names) for names in worlds]}")
-        started = {name for plan in plans for name in plan.members}
-        alone = {s.id: s.shape for s in self.fleet.executors if s.id not in started}
-        if not alone:
-            raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
-                             f"{self.fleet.tp} instances")
-        if not (mine := [name for name in self.executors if name in alone]):
-            return
-        # Pairs in order: worlds of even sizes, each of one model, hold each pair whole; numbered over the fleet.
-        pairs = [pair for shape in self.fleet.models.values()
-                 for pair in spare_plan(len(self.fleet.executors), shape.num_layers)["instances"]
-                 if alone.get(pair["leader"]) is shape]
-        for k, pair in enumerate(pairs):
-            pair["id"] = f"i{len(plans) + k}"
-        for plan in parse_plans({"instances": [p for p in pairs if p["leader"] in self.executors]}, mine, None):
-            SimInstance(plan, {m: self.executors[m] for m in plan.members})
 
     # --- the loop -----------------------------------------------------------------------------------
     def at(self, t: float, handler, *args) -> None:
@@ -440,174 +408,36 @@ class Simulation:
             self._pressure_sent[name] = self.now
             self.events.append(Event(kind="pressure", source=name, time=self.now, data={"executor": name}))
 
-    # --- telemetry, the monitor and the controller --------------------------------------------------------
-    def _beat(self) -> None:
-        """Every executor's periodic report, in the executors' order: they started together and beat alike, so one
-        event stands for a thousand."""
-        self._woken.clear()
-        self._next_beat = self.now + self.settings.telemetry_interval_s
-        self.at(self._next_beat, self._beat)
-        for name in self.executors:
-            if self._superseded(name):
-                self._unbuilt[name] = self.now
-            else:
-                self._report(name)
 
-    def _report_pressure(self, name: str) -> None:
-        """A report out of cycle, for new pressure."""
-        if name in self._woken:
-            return  # the executor's heartbeat: one report out of cycle between two beats, the rest with the beat
-        self._woken.add(name)
-        if self._unheard(name):
-            self._published[name] = self.executors[name].pressure_events()
-            return
-        self._report(name)
-
-    def _report(self, name: str) -> None:
-        if self._build_report(name) and self._urgent_open:
-            self._urgent_open = False  # the monitor's cap: one state between two ticks for new pressure
-            self._publish()
-
-    def _superseded(self, name: str) -> bool:
-        """Whether the monitor's next tick would take this periodic report's successor instead, and nothing else
-        reads it: it shows no new pressure (the arrival's only judgement) and its finished requests ride on the
-        next one. Left unbuilt, it was half of a thousand-executor run's reports at 10 Hz to 5 states a second."""
-        return (self._replaced_before_tick()
-                and self.executors[name].pressure_events() <= self._published.get(name, 0))
-
-    def _replaced_before_tick(self) -> bool:
-        """Whether the next periodic reports come before the monitor's next tick, and so take a report's place."""
-        return self._next_beat < self._next_tick
-
-    def _unheard(self, name: str) -> bool:
-        """Whether a report of new pressure would change no state: the one state between two ticks that new pressure
-        may bring has gone out, and a periodic report comes before the tick and replaces this one unread. Left
-        unbuilt, as the executor's own next report takes its pressure and finished requests. Under overload every
-        refusal is new pressure, and each report walks a full queue: the whole trace had run at 0.03x real time."""
-        return not self._urgent_open and self._replaced_before_tick()
-
-    def _build_report(self, name: str) -> bool:
-        """Report now; True when the report shows new pressure."""
-        self._unbuilt.pop(name, None)
-        telemetry = self.executors[name].telemetry(self.now)
-        self._published[name] = telemetry.pressure_events
-        rose = self._held.arrive(name, telemetry, telemetry.requests, telemetry.instance, telemetry.pressure_events,
-                                 self.now)
-        return rose
-
-    def _tick(self) -> None:
-        step = pace(self.settings.monitor.publish_interval_s, self.settings.monitor_state_s * len(self.fleet.executors))
-        self._next_tick = self.now + step.tick_s
-        self._publish()
-        self._urgent_open = step.urgent
-        self.at(self._next_tick, self._tick)
-
-    def _publish(self) -> None:
-        # A state between two ticks (new pressure) takes the reports left unbuilt as well, built now: up to a
-        # report interval fresher than the monitor would have them.
-        for name in list(self._unbuilt):
-            self._build_report(name)
-        for report in self._held.take().values():
-            telemetry = report.body if report.reports == 1 else report.body.model_copy(
-                update={"requests": report.requests})
-            self.view.observe(telemetry, report.arrived)
-        self.state = self.view.state(self.now)
-        self.unreported.forget_reported(self.state)
-        if not self.controller.policies:
-            return
-        began = time.perf_counter()
-        planned = self.controller.plan(self.state)
-        self.plan_seconds += time.perf_counter() - began
-        self.decisions += 1
-        reported = {e.executor: e.telemetry.time for e in self.state.executors}
-        for name, commands in sendable(planned, self._busy, reported, self._settled).items():
-            self._busy.add(name)
-            self.at(self.now + self.settings.bus_latency_s, self._deliver, name, commands, self.now)
-
-    def _deliver(self, name: str, commands: list[PlannedCommand], decided: float) -> None:
-        self._inbox.setdefault(name, []).extend((decided, c) for c in commands)
-        if name in self._stepping:
-            self._cut(name)
-        elif name not in self._blocked:  # else applying earlier ones or at a merge's collective: they wait their turn
-            self._apply(name)
-
-    def _apply(self, name: str) -> None:
-        """At a step boundary: every delivered command in order, the executor blocked while they take."""
-        executor, elapsed = self.executors[name], 0.0
-        batch, self._inbox[name] = self._inbox.get(name, []), []
-        for decided, planned in batch:
-            if isinstance(planned.args, TpMergeArgs):
-                self._at_merge(name, decided, planned, elapsed)
-                return
-            try:
-                state, seconds = executor.apply(planned.args)
-                ok, error = True, None
-            except SimulatedRefusal as exc:
-                state, seconds, ok, error = {}, 0.0, False, str(exc)
-            elapsed += seconds
-            answered = self.now + elapsed + self.settings.bus_latency_s
-            self.events.append(Event(kind="command", source="controller", time=answered, data={
-                "executor": name, "kind": planned.args.kind, "args": planned.args.model_dump(by_alias=True),
-                "ok": ok, "error": error, "latency_s": answered - decided, "state": state | {"seconds": seconds},
-                "reason": planned.reason}))
-            if not ok:
-                break
-        self._blocked.add(name)
-        self.at(self.now + elapsed, self._applied, name, self.now + elapsed + self.settings.bus_latency_s)
-
-    def _at_merge(self, name: str, decided: float, planned: PlannedCommand, elapsed: float) -> None:
-        """A member at a merge's collective: it waits there (steps nothing) until every member has come; then
-        they merge, or all refuse alike."""
-        args = planned.args
-        self._blocked.add(name)
-        arrived = self._merging.setdefault(args.instance, set())
-        arrived.add(name)
-        if arrived != set(args.executors):
-            return
-        del self._merging[args.instance]
-        start = self.now + elapsed
-        try:
-            _, state, seconds = tp.merge({n: self.executors[n] for n in args.executors}, args, start)
-            ok, error = True, None
-        except SimulatedRefusal as exc:
-            state, seconds, ok, error = {}, 0.0, False, str(exc)
-        for member in args.executors:
-            answered = start + seconds + self.settings.bus_latency_s
-            self.events.append(Event(kind="command", source="gateway", time=answered, data={
-                "executor": member, "kind": args.kind, "args": args.model_dump(by_alias=True), "ok": ok,
-                "error": error, "latency_s": answered - decided, "state": state | {"seconds": seconds},
-                "reason": planned.reason}))
-            self.at(start + seconds, self._applied, member, answered)
-        self.merges.answered(args.instance, ok, error)
-
-    def _applied(self, name: str, answered: float) -> None:
-        self._blocked.discard(name)
-        self._busy.discard(name)
-        self._settled[name] = answered
-        self._take_next(name)
-
-    # --- what the bench's cluster poll would have seen ------------------------------------------------------
-    def _sample(self) -> None:
-        for executor in self.executors.values():
-            executor.settle(self.now)
-        self.samples.append((self.now, [self._polled(e) for e in self.executors.values()]))
-        self.at(self.now + self.settings.sample_interval_s, self._sample)
-        if self._progress is not None:
-            self._progress()
-
-    def _polled(self, e: SimExecutor) -> dict:
-        """What the poll reads of `e`, sharing what is unchanged since the last poll with it (the samples are only
-        read): a thousand executors polled four times a second over a whole trace's half hour would otherwise
-        hold gigabytes of equal copies."""
-        kv, layers, last = e.kv_pages(e.ledger.snapshot()), list(e.layer_bits), self._last_polled.get(e.id)
-        if last is not None:
-            kv = last["kv"] if last["kv"] == kv else kv
-            layers = last["layers"] if last["layers"] == layers else layers
-        sample = {"id": e.id, "role": "leader" if e.leads else "follower", "kv": kv,
-                  "block_size": e.limits.block_size, "layers": layers,
-                  "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                  "preemptions": e.scheduler.num_preemptions}
-        if sample == last:
-            return last
-        self._last_polled[e.id] = sample
-        return sample
+def form_worlds(executors: dict[str, SimExecutor], worlds: list[list[str]], fleet: Fleet, settings: "SimSettings",
+                plans: list[InstancePlan], laid_out: dict) -> None:
+    """Every executor in its world, serving alone, in an instance `up --tp` starts (of the fleet's `plans`,
+    their ledgers of block ids copies of those `laid_out` alike), or, where the fleet has them serve alone, in
+    the spare plan's pairs, numbered after the fleet's TP instances."""
+    for names in worlds:
+        for name in names:
+            executors[name].join_world(names, settings.static_bits)
+    for plan in plans:
+        if plan.leader in executors:
+            tp.started(plan, {name: executors[name] for name in plan.members}, laid_out)
+    if not settings.spare or not worlds:
+        return
+    all_worlds = fleet.worlds()
+    if any(len(names) < 2 or len(names) % 2 for names in all_worlds):
+        raise ValueError(f"the spare plan runs instances of two executors of one world; the fleet's worlds "
+                         f"hold {[len(names) for names in all_worlds]}")
+    started = {name for plan in plans for name in plan.members}
+    alone = {s.id: s.shape for s in fleet.executors if s.id not in started}
+    if not alone:
+        raise ValueError(f"the spare plan pairs executors serving alone; the fleet starts them in TP"
+                         f"{fleet.tp} instances")
+    if not (mine := [name for name in executors if name in alone]):
+        return
+    # Pairs in order: worlds of even sizes, each of one model, hold each pair whole; numbered over the fleet.
+    pairs = [pair for shape in fleet.models.values()
+             for pair in spare_plan(len(fleet.executors), shape.num_layers)["instances"]
+             if alone.get(pair["leader"]) is shape]
+    for k, pair in enumerate(pairs):
+        pair["id"] = f"i{len(plans) + k}"
+    for plan in parse_plans({"instances": [p for p in pairs if p["leader"] in executors]}, mine, None):
+        SimInstance(plan, {m: executors[m] for m in plan.members})

@@ -77,7 +77,7 @@ class Shape(ModelShape):
                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i)}
         shapes["model.norm.weight"] = (h,)
-        if not self.tied_embeddings:
+        if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
@@ -93,8 +93,8 @@ class Shape(ModelShape):
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
             "mlp_bias": False, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position,
-            "tie_word_embeddings": self.tied_embeddings, "initializer_range": INIT_STD, "pretraining_tp": 1,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "initializer_range": INIT_STD, "pretraining_tp": 1,
             "use_cache": True, "bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": ids["<|end_of_text|>"],
         }
 
@@ -109,7 +109,7 @@ SHAPES = {
     "llama-3.2-1b": Shape(**asdict(PLANNER_SHAPES["llama-3.2-1b"]), rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
     "llama-3-8b": Shape(**asdict(PLANNER_SHAPES["llama-3-8b"])),
     "tiny": Shape("tiny", num_layers=4, hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2,
-                  head_dim=32, vocab_size=2048, tied_embeddings=False, max_position=131072,
+                  head_dim=32, vocab_size=2048, tie_word_embeddings=False, max_position_embeddings=131072,
                   rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
 }
 
@@ -165,7 +165,7 @@ def _write_tokenizer(shape: Shape, out: Path) -> None:
     build_tokenizer(shape.vocab_size).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": shape.max_position,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": shape.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
     }, indent=2))
 

@@ -22,6 +22,7 @@ writes JSON and a PNG.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -40,8 +41,8 @@ def engine_config(shape):
     """The engine's ModelConfig for a planner shape: what decides how a variant is laid out."""
     from services.executor.engine.model.config import ModelConfig
 
-    return ModelConfig("llama", shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_layers,
-                       shape.num_heads, shape.num_kv_heads, shape.head_dim, 1e-5, 1e4, shape.max_position)
+    return ModelConfig(**{f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}, architecture="llama",
+                       rms_norm_eps=1e-5, rope_theta=1e4)
 
 
 def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:

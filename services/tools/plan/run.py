@@ -15,6 +15,7 @@ budget), "micro_batch", "workload" and "predicted". Bad input or no feasible pla
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, replace
@@ -101,9 +102,7 @@ class Checkpoint:
         except (OSError, ValueError, ModelLoadError) as exc:
             raise PlanInputError(f"--model {model}: not a checkpoint or a known shape ({', '.join(SHAPES)}): "
                                  f"{exc}") from exc
-        from shared.core.planner.shapes import from_config
-
-        self.shape = from_config(model, self.config)
+        self.shape = dataclasses.replace(self.config, name=model)  # a ModelConfig is its shape, named as asked
 
     def arena(self, dtype_name: str, workload: Workload, device: str) -> ArenaMemory:
         import torch

@@ -145,7 +145,7 @@ class Fleet:
         return plans
 
     def max_model_len(self, shape: ModelShape) -> int:
-        return self.engine.max_model_len or shape.max_position
+        return self.engine.max_model_len or shape.max_position_embeddings
 
 
 def lm_head_overhead(device: Device, shape: ModelShape, dtype_bytes: int) -> Line:

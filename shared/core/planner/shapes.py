@@ -20,8 +20,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    tied_embeddings: bool
-    max_position: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
 
     @property
     def q_size(self) -> int:
@@ -46,7 +46,7 @@ class ModelShape:
     @property
     def embedding_params(self) -> int:
         """Token embeddings plus the LM head unless it is tied to them (kept at full precision)."""
-        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
 
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
@@ -60,9 +60,3 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, True, 8192),
 )}
 
-
-def from_config(name: str, cfg) -> ModelShape:
-    """The shape of a loaded checkpoint's ModelConfig (services/executor/engine/model/config.py)."""
-    return ModelShape(name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
-                      cfg.max_position_embeddings)

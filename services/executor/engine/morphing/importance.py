@@ -29,6 +29,7 @@ this needs no KV pages.
 model, else one an earlier call cached, else a fresh one.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -202,8 +203,10 @@ def profile(engine: LLMEngine, windows: list[list[int]], progress: bool = False)
 
 
 def fingerprint(engine: LLMEngine) -> str:
-    """Hash of the model's configuration and a sample of its weights: a profile belongs to one model."""
-    digest = hashlib.sha256(repr(engine.model_config).encode())
+    """Hash of the model's configuration (its fields by name, so that their order in the class is not part of it)
+    and a sample of its weights: a profile belongs to one model."""
+    fields = json.dumps(dataclasses.asdict(engine.model_config), sort_keys=True, default=str)
+    digest = hashlib.sha256(fields.encode())
     for w in engine.model.layers:
         digest.update(w["down_proj"].flatten()[:4096].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

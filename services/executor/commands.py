@@ -86,11 +86,11 @@ class Commands:
             elif isinstance(args, TpMergeArgs):
                 self._check_merge(args)
                 report = await in_engine_thread(
-                    lambda: worker.merges.merge(service.world, args.executors, args.instance, args.hold_s))
+                    lambda: worker.tp.merge(service.world, args.executors, args.instance, args.hold_s))
                 result.state = {"plan": service.plan.model_dump(), **report}
             elif isinstance(args, TpSplitArgs):
                 self._check_instance(args.instance)
-                result.state = await in_engine_thread(worker.merges.split)
+                result.state = await in_engine_thread(worker.tp.split)
             elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
                 self._check_instance(args.instance)
                 result.state = await in_engine_thread(lambda: self._reshape(args))
@@ -108,12 +108,12 @@ class Commands:
         return result
 
     def _role(self) -> Role:
-        service, following = self.service, self.service.worker.merges.following
+        service, following = self.service, self.service.worker.tp.following
         return role_of(in_instance=following is not None or service.engine.member is not None,
                        leads=following is None, merged=service.plan is not None and service.plan.merged)
 
     def _instance_and_leader(self) -> tuple[str | None, str | None]:
-        if (following := self.service.worker.merges.following) is not None:
+        if (following := self.service.worker.tp.following) is not None:
             return following.plan.id, following.leader
         return self.service.instance_id, self.service.id
 

@@ -139,7 +139,7 @@ class ExecutorService:
         self._pressure_event_at = 0.0  # when the last pressure event went out (they are rate-limited)
         self._pressure_tasks: set[asyncio.Task] = set()
         if world is not None:
-            self.worker.merges.tp_degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
+            self.worker.tp.tp_degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
 
     @property
     def draining(self) -> bool:
@@ -252,8 +252,8 @@ class ExecutorService:
     @property
     def plan(self) -> InstancePlan | None:
         """The plan it serves now: its instance's, which operations change, else the one it was given."""
-        if self.worker.merges.following is not None:
-            return self.worker.merges.following.plan
+        if self.worker.tp.following is not None:
+            return self.worker.tp.following.plan
         return self.engine.member.plan if self.engine.member is not None else self._plan
 
     @property
@@ -270,7 +270,7 @@ class ExecutorService:
     def telemetry(self) -> ExecutorTelemetry:
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
         stats, ledger = snap.stats, snap.stats.ledger
-        following = worker.merges.following
+        following = worker.tp.following
         if following is not None:  # its part of the instance: the leader's blocks, its own arena
             ledger = following.snapshot()
         served = Served(executor=self.id, instance=self.instance, model=self.model_name,
@@ -290,7 +290,7 @@ class ExecutorService:
             member_of=self.plan if leads_instance or following is not None else None, plan=self.plan,
             free_pages=engine.arena.ledger.num_free if leads_instance else 0,
             busy=(following.busy if following is not None else worker.busy).share(),
-            draining=self.draining, hold_s=max(0.0, worker.merges.hold_until - time.monotonic()) if leads_instance else 0.0,
+            draining=self.draining, hold_s=max(0.0, worker.tp.hold_until - time.monotonic()) if leads_instance else 0.0,
             world=list(self.world.names) if self.world is not None else [],
             kv_units=[KvUnits(tp=k, units=u) for k, u in snap.kv_units.items()],
             layer_seconds=self._latency.report(snap.steps_load, snap.taken)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from services.executor.admission import Cancels, Prompt, answer, rejection
 from services.executor.fabric.world import FabricError
-from services.executor.merges import Merges
+from services.executor.tp_role import TpRole
 from services.executor.records import RequestRecords, owed_indices
 from shared import subjects
 from shared.bus import BusError, Incoming
@@ -105,7 +105,7 @@ class EngineWorker:
         self._added = 0
         self.cancels = Cancels()
         self.max_queue_wait_s = max_queue_wait_s
-        self.merges = Merges(engine, self.records, executor)  # AMOEBAs: what merging and splitting it leaves
+        self.tp = TpRole(engine, self.records, executor)  # AMOEBAs: what merges and splits make of it
         self.snapshot = self._take_snapshot()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{executor}-engine", daemon=True)
@@ -136,9 +136,9 @@ class EngineWorker:
         """The answer, and for an accepted request its prompt as rendered and as token ids."""
         if self.draining or self._stop.is_set():
             return rejection(self.executor, req, "unavailable", "executor is draining"), None
-        if self.merges.following is not None:
-            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.merges.following.leader} in "
-                             f"instance {self.merges.following.plan.id}: requests go to the leader"), None
+        if self.tp.following is not None:
+            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.tp.following.leader} in "
+                             f"instance {self.tp.following.plan.id}: requests go to the leader"), None
         if self.cancels.came_before(req.request_id):
             return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
                              code="cancelled"), None
@@ -186,10 +186,10 @@ class EngineWorker:
         while not self._stop.is_set():
             try:
                 # With work to do, never wait: a waiting step would add latency to every running request.
-                busy = self.merges.following is not None or self.engine.has_unfinished()
+                busy = self.tp.following is not None or self.engine.has_unfinished()
                 self._apply_ops_then_cancels(wait=0.0 if busy else IDLE_WAIT_S)
-                if self.merges.following is not None:
-                    self.merges.follow()
+                if self.tp.following is not None:
+                    self.tp.follow()
                 elif self.engine.has_unfinished():
                     self._step()
                 elif not self.broken:
@@ -219,7 +219,7 @@ class EngineWorker:
         return Snapshot(stats, len(self.records) + not_added, list(self.engine.model.layer_bits),
                         scheduler.max_num_seqs,
                         pages_growth(scheduler.running, scheduler.blocks, self.engine.max_model_len), longest,
-                        self.merges.units(), self.records.departures.recent(), accepted,
+                        self.tp.units(), self.records.departures.recent(), accepted,
                         steps_load=replace(counted) if (counted := self.engine.steps_load) else None)
 
     def _report_pressure(self) -> None:
@@ -270,8 +270,8 @@ class EngineWorker:
         text, prompt_ids = prompt
         if self.broken or self._stop.is_set():
             reason = "it stopped serving"
-        elif self.merges.following is not None:
-            reason = f"it joined instance {self.merges.following.plan.id}"
+        elif self.tp.following is not None:
+            reason = f"it joined instance {self.tp.following.plan.id}"
         else:
             try:
                 self.engine.add_request(req.request_id, prompt_ids, req.sampling, deadline=req.deadline,

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from shared import subjects
 from shared.bus import Bus, BusError, Incoming
+from shared.core.memory.ledger import LedgerSnapshot
+from shared.core.telemetry import Queue, Served, executor_telemetry
 from shared.errors import InvalidCommandError
-from shared.messages import (Command, CommandResult, ExecutorTelemetry, KvPages, PingArgs, QuantizeArgs,
+from shared.messages import (Command, CommandResult, ExecutorTelemetry, PingArgs, QuantizeArgs,
                              RequestLatency, RestoreArgs)
 
 # The publishers stand in for executors on other machines: on a shared machine they take the CPU the monitor and the
@@ -81,16 +83,19 @@ class SyntheticExecutor:
         self.generated_tokens += running
         finished = [RequestLatency(ttft_s=self.rng.uniform(0.1, 1.5), tpot_s=self.rng.uniform(0.03, 0.12))
                     for _ in range(self.rng.random() < 0.2)]
-        return ExecutorTelemetry(
-            executor=self.name, instance=self.instance, time=now, model=MODEL, max_model_len=8192, block_size=16,
-            page_bytes=PAGE_BYTES,
-            kv=KvPages(pages_total=SLOT_PAGES * DEPTH + BASE_KV_PAGES,
-                       pages_slot=SLOT_PAGES * DEPTH - self.extension_pages, pages_free=capacity - used,
-                       pages_used=used, pages_base=BASE_KV_PAGES, pages_extension=self.extension_pages),
-            layers=list(self.bits), swap_order=self.swap_order, running=running, waiting=waiting, max_waiting=256,
-            preemptions=self.preemptions, prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-            queue_delay_s=0.05 + 2.0 * max(0.0, self.demand(now) - 0.9), ttft_s=0.3, tpot_s=0.07, max_num_seqs=64,
-            requests=finished, layer_pages=SLOT_PAGES, busy=min(1.0, running / 40), kv_heads=3)
+        served = Served(executor=self.name, instance=self.instance, model=MODEL, max_model_len=8192, block_size=16,
+                        page_bytes=PAGE_BYTES, layer_pages=SLOT_PAGES, kv_heads=3, max_waiting=256)
+        pages = LedgerSnapshot(pages_total=SLOT_PAGES * DEPTH + BASE_KV_PAGES,
+                               pages_slot=SLOT_PAGES * DEPTH - self.extension_pages, pages_kv_free=capacity - used,
+                               pages_kv_used=used, pages_base=BASE_KV_PAGES, pages_extension=self.extension_pages)
+        queue = Queue(running=running, waiting=waiting, max_num_seqs=64, preemptions=self.preemptions,
+                      admission_blocked=0, rejected=0, prompt_tokens=self.prompt_tokens,
+                      generated_tokens=self.generated_tokens,
+                      queue_delay_s=0.05 + 2.0 * max(0.0, self.demand(now) - 0.9), ttft_s=0.3, tpot_s=0.07,
+                      departures=(0, 0.0), pages_growth=0, longest_blocks=0, requests=finished)
+        return executor_telemetry(served, now, pages, queue, layers=list(self.bits), swap_order=self.swap_order,
+                                  member_of=None, plan=None, free_pages=0, busy=min(1.0, running / 40),
+                                  draining=False)
 
     def answer(self, command: Command) -> CommandResult:
         key = (command.issuer, command.seq)

@@ -1,6 +1,6 @@
-"""AMOEBAs' merge and split as one executor's engine thread takes part in them (fabric/transform.py), between two
-steps: the merged instance it follows, if any, how long the one it leads is held merged, and its KV head units at
-each TP degree its world can form (what the controller weighs a merge by).
+"""What AMOEBAs' merges and splits make of one executor, as its engine thread takes part in them between two steps
+(fabric/transform.py): the merged instance it follows, if any, how long the one it leads is held merged, and its
+KV head units at each TP degree its world can form (what the controller weighs a merge by).
 
 The leader of a merged instance keeps its requests' records and takes the followers'; a follower's go with its
 sequences to the leader, and it follows until the SPLIT step, whose sequences come back to their executors.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only
 log = logging.getLogger(__name__)
 
 
-class Merges:
+class TpRole:
     def __init__(self, engine: "LLMEngine", records: RequestRecords, executor: str):
         self.engine, self.records, self.executor = engine, records, executor
         self.following: InstanceMember | None = None  # the merged instance it follows (its engine runs no requests)

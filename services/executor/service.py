@@ -139,7 +139,7 @@ class ExecutorService:
         self._pressure_event_at = 0.0  # when the last pressure event went out (they are rate-limited)
         self._pressure_tasks: set[asyncio.Task] = set()
         if world is not None:
-            self.worker.tp.tp_degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
+            self.worker.tp.degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
 
     @property
     def draining(self) -> bool:

@@ -32,7 +32,7 @@ class TpRole:
     def __init__(self, engine: "LLMEngine", records: RequestRecords, executor: str):
         self.engine, self.records, self.executor = engine, records, executor
         self.following: InstanceMember | None = None  # the merged instance it follows (its engine runs no requests)
-        self.tp_degrees: list[int] = []  # those its world can merge it into (set by the service)
+        self.degrees: list[int] = []  # those its world can merge it into (set by the service)
         self.hold_until = 0.0  # time.monotonic() until which the merged instance it leads is held merged
         self._kv_units: tuple[tuple, dict[int, int]] = ((), {})  # for the layer bits and degrees they were for
 
@@ -83,9 +83,9 @@ class TpRole:
     def units(self) -> dict[int, int]:
         """merge.kv_units, recomputed only when the layers' bits change. In a merged instance (whose bits do
         not change) the last ones stand: what it holds once it splits."""
-        if not self.tp_degrees or self.engine.member is not None or self.following is not None:
+        if not self.degrees or self.engine.member is not None or self.following is not None:
             return self._kv_units[1]
-        key = (tuple(self.engine.model.layer_bits), tuple(self.tp_degrees))
+        key = (tuple(self.engine.model.layer_bits), tuple(self.degrees))
         if self._kv_units[0] != key:
-            self._kv_units = (key, kv_units(self.engine.model, self.engine.arena, self.tp_degrees))
+            self._kv_units = (key, kv_units(self.engine.model, self.engine.arena, self.degrees))
         return self._kv_units[1]

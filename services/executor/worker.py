@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 from services.executor.admission import Cancels, Prompt, answer, rejection
 from services.executor.fabric.world import FabricError
-from services.executor.tp_role import TpRole
 from services.executor.records import RequestRecords, owed_indices
+from services.executor.tp_role import TpRole
 from shared import subjects
 from shared.bus import BusError, Incoming
 from shared.core.latency import BusyWindow, TrackedRequest
@@ -136,9 +136,9 @@ class EngineWorker:
         """The answer, and for an accepted request its prompt as rendered and as token ids."""
         if self.draining or self._stop.is_set():
             return rejection(self.executor, req, "unavailable", "executor is draining"), None
-        if self.tp.following is not None:
-            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {self.tp.following.leader} in "
-                             f"instance {self.tp.following.plan.id}: requests go to the leader"), None
+        if (following := self.tp.following) is not None:
+            return rejection(self.executor, req, "unavailable", f"{self.executor} follows {following.leader} in "
+                             f"instance {following.plan.id}: requests go to the leader"), None
         if self.cancels.came_before(req.request_id):
             return rejection(self.executor, req, "unavailable", "the request was cancelled before its admission",
                              code="cancelled"), None

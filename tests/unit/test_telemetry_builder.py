@@ -1,6 +1,6 @@
 """The one builder of ExecutorTelemetry (shared/core/telemetry.py): what a report says of an executor alone, of a
-member of an instance and of a follower, whichever of the service, the follower or the simulator builds it (the simulator's unvalidated build is held
-equal to validation in test_simulator.py)."""
+member of an instance and of a follower, whichever of the service, the follower or the simulator builds it (the
+simulator's unvalidated build is held equal to validation in test_simulator.py)."""
 
 from hypothesis import given
 from hypothesis import strategies as st

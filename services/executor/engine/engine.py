@@ -29,8 +29,8 @@ from shared.core.errors import DuplicateRequestError
 from shared.core.memory.block_manager import BlockManager
 from shared.core.memory.ledger import LedgerSnapshot
 from shared.core.scheduling.growth import blocks_at_end
-from shared.core.scheduling.phases import StepsLoad, phases
 from shared.core.scheduling.limits import EngineLimits, check_request
+from shared.core.scheduling.phases import StepsLoad, phases
 from shared.core.scheduling.scheduler import Scheduler
 from shared.core.scheduling.sequence import Sequence, Status, finish_reason
 from shared.messages import EvictArgs, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, ResumedCompletion
@@ -62,8 +62,9 @@ class EngineStats:
 
 
 class Place(Protocol):
-    """Builds the runner of an instance of several executors that this engine leads, from the checkpoint (the
-    fabric's `leader.seated`): the engine knows no fabric, only the runner it is handed."""
+    """Builds the runner the engine steps, from the checkpoint: `runner.alone` for the whole model here, the fabric's
+    `leader.seated` for an instance of several executors that it leads. The engine knows no fabric, only the runner
+    it is handed."""
 
     def __call__(self, checkpoint, dtype: torch.dtype, max_model_len: int, progress: bool) -> ModelRunner: ...
 

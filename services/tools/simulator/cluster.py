@@ -48,10 +48,10 @@ from services.tools.bench.modes import spare_plan
 from services.tools.bench.rest import at_rest, shape
 from services.tools.bench.trace import TraceRequest
 from services.tools.simulator import tp
+from services.tools.simulator.control import SimControl
 from services.tools.simulator.executor import FollowerRefusal, SimExecutor, SimRequest
 from services.tools.simulator.fleet import Fleet
 from services.tools.simulator.instance import SimInstance
-from services.tools.simulator.control import SimControl
 from services.tools.simulator.merges import MergeRoom
 from services.tools.simulator.reporting import SimReporting
 from shared.config import ControllerConfig, MonitorConfig

@@ -30,9 +30,9 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from services.tools.simulator import decode_run
+from services.tools.simulator.commands import SimCommands
 from services.tools.simulator.decode_batch import DecodeBatch
 from services.tools.simulator.fleet import DEFAULT_MODEL, ExecutorSpec, Fleet
-from services.tools.simulator.commands import SimCommands
 from services.tools.simulator.instance import SimulatedRefusal
 from services.tools.simulator.member import MemberArena
 from services.tools.simulator.stepping import SimStepping

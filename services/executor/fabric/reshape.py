@@ -36,6 +36,7 @@ from shared.core.errors import OutOfPagesError, ReshapeRefused
 from shared.core.plans import FULL_BITS, OperationRefused, layers_on, reshaped, segments, with_bits
 from shared.core.replicas import KvMove, reassign
 from shared.core.scheduling.scheduler import Scheduler
+from shared.core.slots import slot_moves
 from shared.messages import EvictArgs, InstancePlan, MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs
 
 if TYPE_CHECKING:
@@ -178,6 +179,13 @@ def _slot_head(member: "InstanceMember", layer: int, bits: int) -> range:
     return range(slot.start, slot.start + member.arena.geometry.pages_for_bytes(nbytes))
 
 
+def _slot_moves(member: "InstanceMember", layer: int, now: int, then: int) -> tuple[range, range]:
+    """(pages to take back into `layer`'s slot, pages it releases) when it goes from `now` bits to `then`: the
+    swapper's rule (slots.slot_moves)."""
+    return slot_moves(member.arena.slot_range(layer), len(_slot_head(member, layer, now)),
+                      len(_slot_head(member, layer, then)))
+
+
 @dataclass(frozen=True)
 class Change:
     """What `plan` changes on one member: the layers it gains, loses, and keeps at other bits."""
@@ -219,9 +227,8 @@ def _apply(member: "InstanceMember", plan: InstancePlan, verdict: Verdict) -> in
     # Slot pages to take back: the heads of layers gained, the tails of layers going back to more bits.
     taken = {i: _slot_head(member, i, plan.layers[i].bits) for i in change.gained}
     for i, bits in change.rebits.items():
-        now, then = _slot_head(member, i, model.layer_bits[i]), _slot_head(member, i, bits)
-        if then.stop > now.stop:
-            taken[i] = range(now.stop, then.stop)
+        if reclaim := _slot_moves(member, i, model.layer_bits[i], bits)[0]:
+            taken[i] = reclaim
     member.vacate({p for pages in taken.values() for p in pages})
     for i, pages in taken.items():
         arena.ledger.assign_slot(i, pages)
@@ -272,7 +279,7 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     else (a replica that arrived quantized) from the checkpoint, read again."""
     model, arena = member.model, member.arena
     bits = _model_bits(member, bits)
-    before = _slot_head(member, layer, model.layer_bits[layer])
+    _, release = _slot_moves(member, layer, model.layer_bits[layer], bits)
     full = member.full_copies.pop(layer, None)
     if full is None and model.layer_bits[layer] == model.full_bits:
         full = {name: t.clone() for name, t in model.layers[layer].items()}
@@ -285,9 +292,8 @@ def _write_bits(member: "InstanceMember", layer: int, bits: int) -> None:
     written = full if bits == model.full_bits else quantize_layer(full, bits, model.cfg, model.int4_packing)
     for name, tensor in written.items():
         model.layers[layer][name].copy_(tensor)
-    after = _slot_head(member, layer, model.layer_bits[layer])
-    if after.stop < before.stop:
-        arena.ledger.release_slot_pages(layer, range(after.stop, before.stop))
+    if release:
+        arena.ledger.release_slot_pages(layer, release)
 
 
 def _move_rows(member: "InstanceMember", move: KvMove) -> int:

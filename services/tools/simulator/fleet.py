@@ -1,56 +1,8 @@
 """The fleet a simulation runs: which executors, on which devices, serving which model, with which engine limits.
 
-A fleet file is JSON:
-
-    {"model": "llama-3-8b",
-     "executors": [{"device": "H100-80GB", "count": 8},
-                   {"device": "cpu", "count": 2, "memory": "1GiB",
-                    "latency_profile": "../docs/results/latency_profile.json",
-                    "speedup_profile": "../docs/results/speedup_profile.json"}],
-     "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_waiting": 256, "block_size": 16,
-                "max_model_len": 8192},
-     "swap_s_per_layer": {"quantize": 0.0037, "restore": 0.0034}}
-
-- `model` is a shape the planner knows (shared/core/planner/shapes.py); "default" is SmolLM2-135M, the model
-  `morphling up` serves. An executor entry may name its own `model` (and `tp`), so that one fleet serves
-  several models side by side, each world one of them (a host's executors serve one model, as `up` starts
-  them); `traffic` then says what share of the trace's requests each model takes
-  (`{"llama-3-8b": 3, "llama-3-70b": 1}`: relative weights). The gateway routes a request to the executors
-  serving the model it names.
-- Each executor entry is `count` executors of one device of the devices table (shared/core/planner/devices.py),
-  named exec0, exec1, ... in file order. `memory` is its arena (decoder layers and KV), as `--memory-budget`
-  gives it; without it, the device's usable memory less the embeddings and LM head, which live outside the
-  arena. Paths are relative to the fleet file. `latency_profile` is a `morphling profile --latency` JSON
-  measured on that device with the executor's thread count; without one the device's latency is the roofline
-  model of its datasheet figures. `speedup_profile` (`morphling profile --speedup`) gives the rest of a step
-  (embedding, logits, sampling); without one it is the LM head's roofline. `reports_latency` (with a
-  `latency_profile`): its executors are given that profile, and report in their telemetry a layer's seconds at
-  each width over their recent steps (`layer_seconds`), which the morph rung reads before it quantizes for a
-  queue (shared/core/policies/morph.py). Without it they report none, as `morphling up`'s executors
-  do without `--latency-profile`.
-  `dtype_bytes`: 4 on cpu (float32), else 2 (bfloat16), as `morphling up` serves.
-- `engine` overrides EngineConfig's limits, the same for every executor.
-- `world_size`: executors per torch.distributed world, in order (exec0-7, exec8-15, ... for 8): the executors
-  of one host, as the multi-host deployment gives each host its world (docs/deployment.md). Instances form,
-  and AMOEBAs merges, inside a world only. Without it every executor is in one world, as `morphling up`
-  starts them on one host.
-- `tp`: consecutive executors of each world form instances of that tensor-parallel degree at the start, as
-  `morphling up --tp K` starts them (1, 2 or 4; it divides the world's executors): each member's arena holds its
-  shard of every layer (its query and KV heads, its FFN pieces) and its heads' KV, so a model too big for one
-  device (Llama-3-70B on an H100) serves. Without it every executor serves alone. An entry's own `tp` is its
-  executors'. The instances are numbered over the fleet (i0, i1, ...), one id each, as the monitor keys them.
-- `swap_s_per_layer`: the measured seconds of one layer's quantize and restore (docs/benchmarks.md); without
-  it a swap is modelled as copying the layer's target-bits weights at the device's memory bandwidth.
-- `all_reduce_s`: the measured line `{"intercept_s": ..., "per_byte_s": ...}` of summing B bytes of hidden
-  states across two executors (`morphling profile --speedup`'s `all_reduce`), over the speed-up profile's own.
-- `operation_s`: the measured seconds of the operations on instances of several executors, each a line
-  `{"intercept_s": ..., "per_layer_s": ...}` over the layers it moves (CoCoServe's `replicate`, `migrate`,
-  `evict`: docs/benchmarks.md, "CoCoServe's operations: cost by number of layers"; AMOEBAs' `tp_merge` and
-  `tp_split`, whose layers are all the model's: "AMOEBAs: what a runtime TP merge and split cost"). An
-  operation it leaves out is modelled as its bytes (weights, KV rows or heads) over the hop line below.
-- The hop line (seconds over the bytes moved between two executors: hidden states of a step, weights and KV
-  of an operation) is the `speedup_profile`'s; without one, the device's link bandwidth (devices table). So
-  is the all-reduce line (a TP instance's two sums of hidden states a layer); without one, a hop's.
+A fleet file is JSON; its fields (the model, the executors by device and count, the engine's limits, the
+measured swap, operation and all-reduce lines) are written out in docs/simulator.md ("The fleet file"). Paths in
+it are relative to the file.
 """
 
 import functools

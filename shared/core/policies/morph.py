@@ -16,32 +16,9 @@ quantized layer freed (learned from `pages_extension`), which says how many page
 back. `make_policy` wraps `plan` in the controller's Policy signature and keeps the memory in a
 closure; the controller's history is not replayed because the memory is that history, condensed.
 
-Pressure: smoothed KV usage ≥ kv_high, or smoothed queueing delay ≥ queue_delay_high_s while requests wait (the
-delay is a mean over waits already over: once a burst's queue has drained it lingers for seconds, and had kept
-quantizing after the last arrival), or, while they wait, the wait the executor predicts for a request joining
-its queue now ≥ queue_delay_high_s (the queue's length over the rate requests left it: it rises at a burst's
-first report, seconds before the mean does), or requests wait that cannot be admitted (the queue is full, or the
-free KV would not hold one sequence of max_model_len); and *urgent* pressure, which steps up at once instead of
-after enter_windows: pressure events the executor counted since the last report planned on (a preemption, an
-admission held for KV pages, a refusal for a full queue). Calm, and the release test, both about the next
-restore: nothing waits, the delay is ≤ queue_delay_low_s, the KV in use fits the capacity left after the restore
-with `release_margin` to spare, and the smoothed usage scaled to that capacity is ≤ kv_low. Marks are measured
-against the capacity *after* the restore because a fixed fraction of the enlarged capacity is reached tens of
-seconds after the smaller one would already suffice. "In use" counts the pages the running sequences will still
-take (`pages_growth`) beside those they hold: early in a burst its sequences are short, and a restore judged on
-what they hold would come back mid-burst.
-
-What quantizing answers: KV short (usage at the mark, free pages below one sequence, a preemption, an
-admission held for pages) it answers by itself, with the pages it frees. A queue that waits with KV to spare
-(the delay, a full queue, a refusal) waits on compute, and quantizing answers that only where fewer bits make the
-steps faster, as MorphServe finds on its kernels. Where the executor reports its latency profile's layer seconds
-(`layer_seconds`) and they say the next step up is slower at its load, that pressure is not this rung's: on an
-H100 the 8B's INT8 and INT4 layers are slower than bf16 in prefill and, at batches of 64 and more, in decode, and
-quantizing every 8B executor for its queue cost the whole trace 15% more failed requests (docs/controller.md).
-Where the next rung is slower but a deeper one is faster (this CPU from 16 rows: INT8 0.7-0.97x float32, INT4
-1.4x and more at every batch), a queue takes the deeper one for the same layers (`step_for`); KV short still
-climbs rung by rung, giving up the least precision for the pages. Without a profile, MorphServe's premise
-stands: fewer bits are faster.
+Pressure, calm and the release test are written out in docs/controller.md ("The quantize rung's marks"), and
+when a queue is this rung's to answer ("When fewer bits are slower"): KV short is answered by the pages it frees;
+a queue with KV to spare only where the executor's latency profile says fewer bits are faster (`step_for`).
 
 Every leader morphs its instance: an executor alone swaps its own layers, the leader of an instance of
 several executors has every member that holds a layer swap it (services/executor/fabric/reshape.py), and its

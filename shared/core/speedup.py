@@ -19,24 +19,8 @@ Eq. 4 follows from Eq. 3 when times are proportional to tokens (a = h0 = 0): W(P
 T(P) = δ·Σ (p_i − 1)·hop(t)/p_i, and dividing by layer(t) gives n / (Σ 1/p_i + γ·Σ (1 − 1/p_i)), which is
 Eq. 4. With intercepts the two differ: half a batch does not take half the time, which only Eq. 3 sees.
 
-Choices the paper leaves open, made here:
-- δ, "the count of non-consecutive layer transitions": the fabric scatters a batch at the first layer of a
-  run of layers with the same copies and gathers it after the last (shared/core/replicas.py),
-  so a strategy makes 2 transfers per replicated run (a run: consecutive layers with the same placement,
-  more than one copy), and Eq. 2 charges them to its replicated layers: δ(P) = 2·runs(P) / replicated
-  layers(P), 0 when nothing is replicated. For one run of k layers, T is then exactly 2 transfers per
-  replica; scattered replicas raise δ, which is how the model prefers contiguous ranges.
-- j = 1 … p_i − 1 in Eq. 2 skips the layer's first copy (its original, placement[0]): its rows stay
-  where the hidden states are, so only the replicas' rows travel. A layer placed on a member other than the
-  leader also hops in P0; neither W nor T counts that, as in the paper.
-- t, the batch the model is evaluated at, is the caller's (the scale-up policy takes the leader's batch
-  cap: replicas stay in place for the load to come, and it is under load that a speed-up matters).
-- Eq. 1 has no sequential part. `speedup_with_overhead` adds the measured rest of a step (embedding,
-  logits, sampling, scheduling: o0 + o1·t) to both sides of Eq. 3, Amdahl's serial fraction, so that
-  measurements can say which of the two predicts a real instance better.
-- Heterogeneity: one profile describes one device kind, and a deployment runs one `--device`, so the
-  controller treats the cluster as homogeneous; Eq. 3 is there for uneven splits (bs_ij) and for the
-  intercepts Eq. 4 cannot express, and the policy lets the operator pick the equation.
+The choices the paper leaves open (δ, the skipped first copy in Eq. 2, the batch t it is evaluated at, the serial
+part of a step, heterogeneity) are written out in docs/architecture.md ("CoCoServe's choices").
 
 DEFAULT_PROFILE stands in when no profile is loaded: the profiler's first run on the development machine
 (docs/results/speedup_profile.json of 2026-11-23T21:44Z: the default model in float32 on a 2-core CPU,

@@ -13,6 +13,11 @@ float32's in the same run:
     int4_reference   our W4A16 torch reference: unpack, dequantize, F.linear
     int4_served      INT4 as the engine stores and calls it on CPU: torch's CPU int4 kernel in bfloat16 on its own
                      layout, down_proj one matrix per FFN piece (decoder.int4_tensors)
+    bfloat16         F.linear in bfloat16 (weights and activations; AMX where the CPU has it): not a variant the
+                     engine stores, the dtype it could serve in
+    int8_w8a8        the INT8 codes against activations quantized per row (symmetric, their max over 127), through
+                     torch._int_mm (int8 x int8 -> int32; AMX-INT8 where the CPU has it), then both scales: not
+                     what the engine serves (W8A16), the CPU's analogue of an FP8 rung
     int8_compiled    torch.compile of the INT8 reference (--compile-rows only: each shape compiles apart)
     int4_compiled    torch.compile of the INT4 reference
 
@@ -62,7 +67,8 @@ def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
         for name, (n, k) in shape.linears.items():
             w = torch.randn(n, k, generator=gen) * 0.02
             q4 = quantize_int4(w, int4_group_of(name, k, cfg))
-            layer[name] = dict(name=name, w=w, q8=quantize_int8(w), q4=q4,
+            q8 = quantize_int8(w)
+            layer[name] = dict(name=name, w=w, w16=w.bfloat16(), q8=q8, q8t=q8.qweight.t().contiguous(), q4=q4,
                                served4=int4_variant(name, q4, cfg, TORCH_CPU))
         out.append(layer)
     return out
@@ -80,6 +86,8 @@ def candidates(rows: int, compiled: bool) -> dict:
         "int4_reference": lambda x, t: w4a16_linear_ref(x, t["q4"].packed, t["q4"].scale, t["q4"].zero,
                                                         t["q4"].group_size),
         "int4_served": lambda x, t: linear(x, t["served4"], t["name"], 4),
+        "bfloat16": lambda x, t: F.linear(x.bfloat16(), t["w16"]),
+        "int8_w8a8": lambda x, t: _w8a8(x, t["q8t"], t["q8"].scale),
     }
     if rows <= 16:
         found["int8pack_fp32"] = lambda x, t: torch._weight_int8pack_mm(x, t["q8"].qweight, t["q8"].scale)
@@ -88,6 +96,13 @@ def candidates(rows: int, compiled: bool) -> dict:
         found["int8_compiled"] = lambda x, t: c8(x, t["q8"].qweight, t["q8"].scale)
         found["int4_compiled"] = lambda x, t: c4(x, t["q4"].packed, t["q4"].scale, t["q4"].zero, t["q4"].group_size)
     return found
+
+
+def _w8a8(x: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with x quantized per row to int8 (symmetric) and W's per-channel int8 codes (`qweight_t`: [in, out])."""
+    x_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.0
+    xq = torch.round(x / x_scale).clamp_(-127, 127).to(torch.int8)
+    return torch._int_mm(xq, qweight_t).float().mul_(x_scale).mul_(scale)
 
 
 def model_pass_ms(fns: dict, layers: list[dict], inputs: dict, repeats: int) -> dict[str, float]:

@@ -8,6 +8,7 @@ The process around it (flags, the world, roles) is process.py.
 """
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ from shared.core.plans import alone_id
 from shared.core.scheduling.phases import LatencyReports
 from shared.core.telemetry import Queue, Served, executor_telemetry
 from shared.core.tp_scheduler import MAX_TP
+from shared.provenance import cpu_model
 from shared.messages import (Admission, Cancel, Command, DetokenizeReply, DetokenizeRequest, ErrorInfo, Event,
                              ExecutorTelemetry, GenerateRequest, GpuStats, InstancePlan, KvUnits, TokenizeReply,
                              TokenizeRequest)
@@ -34,28 +36,41 @@ if TYPE_CHECKING:  # annotations only
     from services.executor.engine.engine import LLMEngine
     from services.executor.fabric.world import World
 
-# The latency profile shipped for each kind of device: measured on this project's CPU machine for the default model.
-SHIPPED_LATENCY_PROFILES = {"cpu": Path(__file__).resolve().parents[2] / "docs" / "results" / "latency_profile_cpu.json"}
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+# The latency profiles shipped for each kind of device, measured for the default model on this project's machines.
+# Each names the CPU it was measured on (its JSON's machine.processor), and fits only that one: the Xeon with AMX
+# and the EPYC order INT4 and float32 differently past 16 rows. The EPYC's, recorded before machines were named,
+# names none and stands where no other fits.
+SHIPPED_LATENCY_PROFILES = {"cpu": [RESULTS / "latency_profile_cpu_xeon_amx.json", RESULTS / "latency_profile_cpu.json"]}
 
 
 def latency_profile_path(choice: str | None, device: str, layers: object) -> str | None:
     """The latency profile an executor reports its layer seconds from: `choice`'s path; none for None or "none";
-    for "auto", the one shipped for its kind of device when it was measured on layers of this shape, else none
-    (the controller then keeps MorphServe's premise that fewer bits are faster)."""
+    for "auto", the one shipped for its device (shipped_latency_profile), else none (the controller then keeps
+    MorphServe's premise that fewer bits are faster)."""
     if choice is None or choice == "none":
         return None
     if choice != "auto":
         return choice
-    shipped = SHIPPED_LATENCY_PROFILES.get(device.split(":")[0])
-    if shipped is None or not shipped.exists():
-        return None
+    shipped = shipped_latency_profile(device, layers)
+    return str(shipped) if shipped is not None else None
+
+
+def shipped_latency_profile(device: str, layers: object, processor: str | None = None) -> Path | None:
+    """The shipped profile measured on this CPU (`processor`: cpu_model()'s reading) and on layers of this shape,
+    else one that names no CPU; None where none fits."""
     from shared.core.planner.latency import LatencyError, load_profile
 
-    try:
-        load_profile(shipped).check_layers(layers, str(shipped))
-    except LatencyError:
-        return None
-    return str(shipped)
+    processor = cpu_model() if processor is None else processor
+    measured_on = {path: json.loads(path.read_text()).get("machine", {}).get("processor", "")
+                   for path in SHIPPED_LATENCY_PROFILES.get(device.split(":")[0], []) if path.exists()}
+    for path in [p for p, on in measured_on.items() if on == processor] + [p for p, on in measured_on.items() if not on]:
+        try:
+            load_profile(path).check_layers(layers, str(path))
+        except LatencyError:
+            continue
+        return path
+    return None
 
 log = logging.getLogger(__name__)
 

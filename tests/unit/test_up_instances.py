@@ -166,13 +166,18 @@ def test_the_latency_profile_goes_to_every_executor_as_an_absolute_path_and_a_ba
 
 
 def test_the_executors_default_to_the_shipped_latency_profile_where_it_fits_and_none_turns_it_off():
-    from services.executor.service import SHIPPED_LATENCY_PROFILES, latency_profile_path
+    from services.executor.service import SHIPPED_LATENCY_PROFILES, latency_profile_path, shipped_latency_profile
     from shared.core.planner.shapes import SHAPES
+    from shared.provenance import cpu_model
 
     assert all("--latency-profile" not in executor_args(parse_args(["--executors", "2"]), NATS, i) for i in range(2))
     assert flag(executor_args(parse_args(["--latency-profile", "none"]), NATS, 0), "--latency-profile") == "none"
-    shipped = SHIPPED_LATENCY_PROFILES["cpu"]
-    assert latency_profile_path("auto", "cpu", SHAPES["smollm2-135m"]) == str(shipped) and shipped.exists()
+    xeon, epyc = SHIPPED_LATENCY_PROFILES["cpu"]
+    smol = SHAPES["smollm2-135m"]
+    # each CPU its own profile; one the shipped profiles do not name takes the one that names none (the EPYC's)
+    assert shipped_latency_profile("cpu", smol, "Intel(R) Xeon(R) Processor (amx_bf16, amx_int8, amx_tile)") == xeon
+    assert shipped_latency_profile("cpu", smol, "AMD EPYC 9B14") == epyc
+    assert latency_profile_path("auto", "cpu", smol) == str(shipped_latency_profile("cpu", smol, cpu_model()))
     # measured on the default model's layers: it claims nothing for another model's, nor for a GPU
     assert latency_profile_path("auto", "cpu", SHAPES["llama-3.2-1b"]) is None
     assert latency_profile_path("auto", "cuda:0", SHAPES["smollm2-135m"]) is None

@@ -41,7 +41,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 # Each names the CPU it was measured on (its JSON's machine.processor), and fits only that one: the Xeon with AMX
 # and the EPYC order INT4 and float32 differently past 16 rows. The EPYC's, recorded before machines were named,
 # names none and stands where no other fits.
-SHIPPED_LATENCY_PROFILES = {"cpu": [RESULTS / "latency_profile_cpu_xeon_amx.json", RESULTS / "latency_profile_cpu.json"]}
+SHIPPED_LATENCY_PROFILES = {"cpu": [RESULTS / "latency_profile_cpu_xeon_amx.json",
+                                    RESULTS / "latency_profile_cpu.json"]}
 
 
 def latency_profile_path(choice: str | None, device: str, layers: object) -> str | None:
@@ -64,13 +65,15 @@ def shipped_latency_profile(device: str, layers: object, processor: str | None =
     processor = cpu_model() if processor is None else processor
     measured_on = {path: json.loads(path.read_text()).get("machine", {}).get("processor", "")
                    for path in SHIPPED_LATENCY_PROFILES.get(device.split(":")[0], []) if path.exists()}
-    for path in [p for p, on in measured_on.items() if on == processor] + [p for p, on in measured_on.items() if not on]:
+    fitting = [p for p, on in measured_on.items() if on == processor] + [p for p, on in measured_on.items() if not on]
+    for path in fitting:
         try:
             load_profile(path).check_layers(layers, str(path))
         except LatencyError:
             continue
         return path
     return None
+
 
 log = logging.getLogger(__name__)
 

@@ -2,18 +2,18 @@
 sequences touched only at their own events: a block opened, the last token.
 
 At saturation nearly every step admits: a sequence finishes, a waiting one takes its slot, and its prefill rides
-with the batch's decodes. Decode runs (decode_run.py) end there. Each of those steps is one the scheduler would
-make in three rules (engine/scheduling/scheduler.py): when every running sequence decodes one token and the pages
-its tokens open are free, the first preempts nobody and the second finds nothing to do, so the step is every
-running sequence, those whose token opens a block taking a page in the batch's order, then the waiting sequences
-the third admits (Scheduler.admit, the scheduler's own). At a thousand executors writing each decode's token
-each step was most of the simulator's time, yet a decode's step is foreseeable from its place: its token opens a
-block every block_size steps, and its last comes at max_tokens. So the batch keeps its steps as a count
-(`tick`), each sequence the tick its tokens were last written at, the steps at which each opens a block or ends,
-and the sum of their contexts as one number. A step reads those; a sequence's tokens are written (`write`) when
-it ends and when anything else is to read it: the executor writes them all before a step the scheduler makes,
-a command, a cancel or a merge (executor.py, `release_batch`). With nobody able to
-join, the batch runs many steps as one event (decode_run.plan_batch_run), each settled by its own steps here.
+with the batch's decodes. Decode runs (decode_run.py) end there. Each of those steps is one the scheduler would make
+in three rules (shared/core/scheduling/scheduler.py): when every running sequence decodes one token and the pages
+its tokens open are free, the first preempts nobody and the second finds nothing to do, so the step is every running
+sequence, those whose token opens a block taking a page in the batch's order, then the waiting sequences the third
+admits (Scheduler.admit, the scheduler's own). At a thousand executors writing each decode's token each step was
+most of the simulator's time, yet a decode's step is foreseeable from its place: its token opens a block every
+block_size steps, and its last comes at max_tokens. So the batch keeps its steps as a count (`tick`), each sequence
+the tick its tokens were last written at, the steps at which each opens a block or ends, and the sum of their
+contexts as one number. A step reads those; a sequence's tokens are written (`write`) when it ends and when anything
+else is to read it: the executor writes them all before a step the scheduler makes, a command, a cancel or a merge
+(executor.py, `release_batch`). With nobody able to join, the batch runs many steps as one event
+(decode_run.plan_batch_run), each settled by its own steps here.
 
 A batch is valid while only its own steps change the scheduler: one whose running sequences are not its members
 (a prefill still going, a preemption, a merge) declines the step, and the executor writes and drops it. A

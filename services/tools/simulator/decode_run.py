@@ -3,7 +3,7 @@
 At a thousand executors, steps were two thirds of the event loop: one event, one pass of the scheduler and one
 of the cost model per step, 25-75 ms of simulated time each. Yet most steps are foreseeable. When every
 running sequence decodes and nobody can join (the queue is empty, or the batch is at its cap), the scheduler's
-next steps (engine/scheduling/scheduler.py, rule 1) are known ahead: the same sequences, one token each, a
+next steps (shared/core/scheduling/scheduler.py, rule 1) are known ahead: the same sequences, one token each, a
 fresh page for a sequence whose next token opens a block. That holds until a sequence finishes, or the free
 pages run short (the scheduler would preempt). Such a run is planned at once, its steps timed by the cost
 model, and it is one event: its end.

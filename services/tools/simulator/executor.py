@@ -1,20 +1,20 @@
 """One simulated executor: the engine's own scheduler, block manager and page ledger, with the forward pass
 replaced by the cost model's seconds.
 
-What is real here is what decides who waits: the continuous-batching rules (engine/scheduling/scheduler.py),
-the block tables and copy-on-write (engine/memory/block_manager.py) and the arena's ledger
-(engine/memory/ledger.py), imported, not copied. The arena is laid out as the engine lays it out: a page is
-one KV block for every layer, each decoder layer owns a slot of pages sized for full precision at the low end,
-and quantizing a layer releases its slot's tail as KV pages, restoring moves live KV out and takes it back
-(engine/morphing/swapper.py). What is modelled is time: a step takes what costs.step_seconds says, a swap
-what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to its
-max_tokens, as the bench asks with ignore_eos). How it steps is stepping.py's; the
-commands it takes, commands.py's.
+What is real here is what decides who waits: the continuous-batching rules (shared/core/scheduling/), the block
+tables and copy-on-write and the arena's ledger (shared/core/memory/), imported, not copied. The arena is laid out
+as the engine lays it out: a page is one KV block for every layer, each decoder layer owns a slot of pages sized for
+full precision at the low end, and quantizing a layer releases its slot's tail as KV pages, restoring moves live KV
+out and takes it back (engine/morphing/swapper.py). What is modelled is time: a step takes what costs.step_seconds
+says, a swap what costs.swap_seconds says, and tokens carry no values (every generated token is 0; a request runs to
+its max_tokens, as the bench asks with ignore_eos). How it steps is stepping.py's; the commands it takes,
+commands.py's.
 
-Telemetry is the executor service's ExecutorTelemetry, built from the same windows (executor/latency.py) so
-that the monitor and the controller read a simulated executor exactly as a real one, with what the service
-reports of instances: the plan it serves in, the batch cap, a slot's pages, the pages a replica may take, its
-world with its KV head units at each TP degree it could merge into, and a merge's hold.
+Telemetry is the executor service's ExecutorTelemetry, built by the same builder from the same windows
+(shared/core/telemetry.py, latency.py) so that the monitor and the controller read a simulated executor exactly as a
+real one, with what the service reports of instances: the plan it serves in, the batch cap, a slot's pages, the
+pages a replica may take, its world with its KV head units at each TP degree it could merge into, and a merge's
+hold.
 
 In an instance of several executors (instance.py: CoCoServe's placements and replicas; tp.py: an AMOEBAs
 merge) the leader's scheduler is the instance's, whose block ids every member backs with pages of its arena;
@@ -213,7 +213,7 @@ class SimExecutor(MemberArena, SimStepping, SimCommands):
     # --- requests -------------------------------------------------------------------------------
     def admit(self, request: SimRequest, now: float) -> None:
         """Queue `request`; QueueFullError when the waiting queue is full or would hold it longer than
-        max_queue_wait_s (the executor's admission, executor/admission.py), FollowerRefusal on a member that
+        max_queue_wait_s (the executor's admission, shared/core/admission.py), FollowerRefusal on a member that
         does not lead its instance: the gateway tries another."""
         if self.group is not None and self.group.leader is not self:
             raise FollowerRefusal(f"{self.id} follows {self.group.leader.id} in instance {self.group.plan.id}: "

@@ -2,7 +2,7 @@
 
 The weight is ``packed`` uint8 ``[out, in // 2]`` holding two codes a byte (low
 nibble = even input index), with ``scale`` and ``zero`` ``[out, in // group]``
-and ``w ≈ (code - zero) * scale`` (see ``services/executor/engine/quant.py``).
+and ``w ≈ (code - zero) * scale`` (see ``services/executor/engine/morphing/quant.py``).
 
 The torch reference unpacks with two bit operations over the whole tensor,
 dequantises with the group's scale and zero broadcast over the group, and calls

@@ -1,7 +1,7 @@
 """W8A16 linear: int8 weights with one scale per output channel, 16/32-bit activations.
 
 The weight is ``qweight`` int8 ``[out, in]`` and ``scale`` ``[out]`` with
-``w ≈ qweight * scale`` (see ``services/executor/engine/quant.py``).  Because the
+``w ≈ qweight * scale`` (see ``services/executor/engine/morphing/quant.py``).  Because the
 scale belongs to the output channel it commutes with the sum over inputs, so
 every path here multiplies the raw codes with the activations and scales the
 ``[N, out]`` result instead of materialising a scaled ``[out, in]`` weight.

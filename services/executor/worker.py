@@ -65,7 +65,7 @@ class Snapshot:
     in_flight: int  # accepted requests not yet finished
     layers: list[int]  # bits per decoder layer, never read halfway through a swap
     max_num_seqs: int  # the scheduler's batch cap now
-    pages_growth: int  # KV pages the running sequences still take (engine/scheduling/growth.py)
+    pages_growth: int  # KV pages the running sequences still take (shared/core/scheduling/growth.py)
     longest_blocks: int = 0  # KV blocks the longest sequence running or waiting takes at its end
     kv_units: dict[int, int] = field(default_factory=dict)  # TP degree -> KV head units (merge.kv_units)
     departures: tuple[int, float] = (0, 0.0)  # Departures.recent(): requests that left the waiting queue lately

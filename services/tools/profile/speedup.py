@@ -22,7 +22,7 @@ each line was fitted to, so fit_line(samples[k]) gives the line back; "step" hol
 steps (a whole step is about the overhead plus num_layers times the layer time at the same t).
 
 The deployments this models run two executors on one machine's cores, so every measurement runs with
-`--threads` torch threads (half the cores by default). Written as JSON (shared/core/policies/speedup.py
+`--threads` torch threads (half the cores by default). Written as JSON (shared/core/speedup.py
 loads it) with a PNG of the points and lines beside it:
 
   {"kind": "speedup-profile", "model", "device", "threads", "num_layers", "hidden_size", "dtype_bytes",

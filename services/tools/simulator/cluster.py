@@ -2,7 +2,7 @@
 
 Nothing here decides anything a real process decides; it only moves time and messages between the pieces
 that do, all imported from the services:
-- the gateway's router (gateway/router.py) picks an executor for each arrival from the latest cluster state,
+- the gateway's router (shared/core/router.py) picks an executor for each arrival from the latest cluster state,
   and on a full queue tries the next with the refuser excluded, as the gateway's retry loop does, the refuser
   asked last by later arrivals until it reports again (router.Unreported);
 - every executor reports ExecutorTelemetry every `telemetry_interval_s`, and at once after a step that

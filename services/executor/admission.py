@@ -13,12 +13,16 @@ remembered (a bounded number of them) and refuses the admission when it comes.
 import logging
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from services.executor.tokenization import render
 from shared.core.admission import admits, predicted_wait_s, waiting_ahead
 from shared.core.errors import KvCapacityError, QueueFullError
 from shared.errors import InvalidRequestError
 from shared.messages import KV_CAPACITY, Admission, ErrorInfo, GenerateRequest
+
+if TYPE_CHECKING:  # annotations only
+    from services.executor.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ def rejection(executor: str, req: GenerateRequest, kind: str, message: str, para
                      error=ErrorInfo(type=kind, message=message, param=param, code=code))
 
 
-def answer(executor: str, req: GenerateRequest, engine, waiting: int, running: int, max_num_seqs: int,
+def answer(executor: str, req: GenerateRequest, engine: "LLMEngine", waiting: int, running: int, max_num_seqs: int,
            departures: tuple[int, float], max_queue_wait_s: float) -> tuple[Admission, Prompt | None, bool]:
     """The answer to `req` from an engine with `waiting` requests ahead of it (those accepted and not yet added
     among them) and `running` in its batch; for an accepted request its prompt, and whether a full queue

@@ -11,11 +11,16 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from services.executor.deltas import token_delta
 from shared.core.admission import Departures
 from shared.core.latency import FinishedSamples, LatencyWindow, TrackedRequest, emit_spans
 from shared.messages import ErrorInfo, GenerateRequest, TokenDelta
+
+if TYPE_CHECKING:  # annotations only
+    from services.executor.engine.model.tokenizer import Tokenizer
+    from services.executor.engine.scheduling.outputs import CompletionDelta
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,8 @@ class RequestRecords:
     def __len__(self) -> int:
         return len(self.tracked)
 
-    def observe(self, deltas: list, tokenizer, has_request: Callable[[str], bool]) -> dict[str, list[TokenDelta]]:
+    def observe(self, deltas: list["CompletionDelta"], tokenizer: "Tokenizer", has_request: Callable[[str], bool]
+                ) -> dict[str, list[TokenDelta]]:
         """A step's engine deltas as each gateway's TokenDeltas, with the requests they end finished here."""
         by_gateway: dict[str, list[TokenDelta]] = {}
         now = time.time()

@@ -32,6 +32,10 @@ class FollowerService:
         self.id = config.executor_id
         self.instance = uuid.uuid4().hex
         self.model_name = served_model_name(config.engine.model)
+        self._served = Served(executor=self.id, instance=self.instance, model=self.model_name,
+                              max_model_len=max_model_len, block_size=config.engine.block_size,
+                              page_bytes=member.arena.page_bytes, layer_pages=member.arena.slot_pages, kv_heads=0,
+                              max_waiting=config.engine.max_waiting)
         self.draining = False
         self.broken = asyncio.Event()
         self._stop = threading.Event()
@@ -94,10 +98,6 @@ class FollowerService:
 
     def telemetry(self) -> ExecutorTelemetry:
         member, plan = self.member, self.member.plan
-        served = Served(executor=self.id, instance=self.instance, model=self.model_name,
-                        max_model_len=self.max_model_len, block_size=self.config.engine.block_size,
-                        page_bytes=member.arena.page_bytes, layer_pages=member.arena.slot_pages, kv_heads=0,
-                        max_waiting=self.config.engine.max_waiting)
-        return executor_telemetry(served, time.time(), member.snapshot(), NO_QUEUE, layers=[], swap_order=[],
+        return executor_telemetry(self._served, time.time(), member.snapshot(), NO_QUEUE, layers=[], swap_order=[],
                                   member_of=plan, plan=plan, free_pages=member.arena.ledger.num_free,
                                   busy=member.busy.share(), draining=self.draining)

@@ -133,6 +133,10 @@ class ExecutorService:
         self.broken = asyncio.Event()  # set once the instance it leads loses a member
         self._loop: asyncio.AbstractEventLoop | None = None
         self.model_name = served_model_name(engine.config.model)
+        self._served = Served(executor=self.id, instance=self.instance, model=self.model_name,
+                              max_model_len=engine.max_model_len, block_size=engine.config.block_size,
+                              page_bytes=engine.arena.page_bytes, layer_pages=engine.arena.slot_pages,
+                              kv_heads=engine.model_config.num_kv_heads, max_waiting=engine.config.max_waiting)
         self._latency: LatencyReports | None = None  # what it reports of its latency profile, when given one
         profile = latency_profile_path(config.latency_profile, engine.config.device, engine.model_config)
         if profile is not None:
@@ -291,10 +295,6 @@ class ExecutorService:
         following = worker.tp.following
         if following is not None:  # its part of the instance: the leader's blocks, its own arena
             ledger = following.snapshot()
-        served = Served(executor=self.id, instance=self.instance, model=self.model_name,
-                        max_model_len=engine.max_model_len, block_size=engine.config.block_size,
-                        page_bytes=engine.arena.page_bytes, layer_pages=engine.arena.slot_pages,
-                        kv_heads=engine.model_config.num_kv_heads, max_waiting=engine.config.max_waiting)
         queue = Queue(running=stats.running, waiting=stats.waiting, max_num_seqs=snap.max_num_seqs,
                       preemptions=stats.preemptions, admission_blocked=stats.admission_blocked,
                       rejected=worker.rejected, prompt_tokens=stats.prompt_tokens,
@@ -304,7 +304,7 @@ class ExecutorService:
                       requests=worker.records.finished.drain())
         leads_instance = engine.member is not None
         return executor_telemetry(
-            served, snap.taken, ledger, queue, layers=snap.layers, swap_order=engine.swapper.swap_order,
+            self._served, snap.taken, ledger, queue, layers=snap.layers, swap_order=engine.swapper.swap_order,
             member_of=self.plan if leads_instance or following is not None else None, plan=self.plan,
             free_pages=engine.arena.ledger.num_free if leads_instance else 0,
             busy=(following.busy if following is not None else worker.busy).share(),

@@ -51,6 +51,8 @@ class SyntheticExecutor:
     def __init__(self, name: str, rng: random.Random):
         self.name = name
         self.instance = uuid.UUID(int=rng.getrandbits(128)).hex[:12]
+        self.served = Served(executor=self.name, instance=self.instance, model=MODEL, max_model_len=8192,
+                             block_size=16, page_bytes=PAGE_BYTES, layer_pages=SLOT_PAGES, kv_heads=3, max_waiting=256)
         self.rng = rng
         self.cycle_s = rng.uniform(*DEMAND_CYCLE_S)
         self.phase = rng.uniform(0, 2 * math.pi)
@@ -83,8 +85,6 @@ class SyntheticExecutor:
         self.generated_tokens += running
         finished = [RequestLatency(ttft_s=self.rng.uniform(0.1, 1.5), tpot_s=self.rng.uniform(0.03, 0.12))
                     for _ in range(self.rng.random() < 0.2)]
-        served = Served(executor=self.name, instance=self.instance, model=MODEL, max_model_len=8192, block_size=16,
-                        page_bytes=PAGE_BYTES, layer_pages=SLOT_PAGES, kv_heads=3, max_waiting=256)
         pages = LedgerSnapshot(pages_total=SLOT_PAGES * DEPTH + BASE_KV_PAGES,
                                pages_slot=SLOT_PAGES * DEPTH - self.extension_pages, pages_kv_free=capacity - used,
                                pages_kv_used=used, pages_base=BASE_KV_PAGES, pages_extension=self.extension_pages)
@@ -93,7 +93,7 @@ class SyntheticExecutor:
                       generated_tokens=self.generated_tokens,
                       queue_delay_s=0.05 + 2.0 * max(0.0, self.demand(now) - 0.9), ttft_s=0.3, tpot_s=0.07,
                       departures=(0, 0.0), pages_growth=0, longest_blocks=0, requests=finished)
-        return executor_telemetry(served, now, pages, queue, layers=list(self.bits), swap_order=self.swap_order,
+        return executor_telemetry(self.served, now, pages, queue, layers=list(self.bits), swap_order=self.swap_order,
                                   member_of=None, plan=None, free_pages=0, busy=min(1.0, running / 40),
                                   draining=False)
 

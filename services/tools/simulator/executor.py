@@ -144,6 +144,10 @@ class SimExecutor(MemberArena, SimStepping, SimCommands):
         self.layer_bits = [static_bits] * self.shape.num_layers
         self.swap_order = list(range(self.shape.num_layers))
         self.instance = f"{self.id}@{started_s:g}"  # a process: a restart would be a new one
+        self.served = Served(executor=self.id, instance=self.instance, model=self.shape.name,
+                             max_model_len=self.max_model_len, block_size=block, page_bytes=self.page_bytes,
+                             layer_pages=self.slot_pages[FULL_BITS], kv_heads=self.shape.num_kv_heads,
+                             max_waiting=self.limits.max_waiting)
         self.queue_delay, self.ttft = LatencyWindow(LATENCY_WINDOW_S), LatencyWindow(LATENCY_WINDOW_S)
         self.tpot, self.finished, self.busy = LatencyWindow(LATENCY_WINDOW_S), FinishedSamples(), BusyWindow(1.0)
         self.departures = Departures(LATENCY_WINDOW_S, now=started_s)  # requests leaving the waiting queue
@@ -309,10 +313,6 @@ class SimExecutor(MemberArena, SimStepping, SimCommands):
         if self.longest is None:
             self.longest = max((r.prompt_tokens + r.output_tokens for r in self.requests.values()), default=0)
         longest = self.longest if leads else 0
-        served = Served(executor=self.id, instance=self.instance, model=self.shape.name,
-                        max_model_len=self.max_model_len, block_size=self.limits.block_size,
-                        page_bytes=self.page_bytes, layer_pages=self.slot_pages[FULL_BITS],
-                        kv_heads=self.shape.num_kv_heads, max_waiting=self.limits.max_waiting)
         scheduler = self.scheduler
         queue = Queue(running=len(scheduler.running), waiting=len(scheduler.waiting),
                       max_num_seqs=scheduler.max_num_seqs if leads else 0, preemptions=scheduler.num_preemptions,
@@ -324,7 +324,7 @@ class SimExecutor(MemberArena, SimStepping, SimCommands):
                       requests=self.finished.drain())
         group = self.group
         return executor_telemetry(
-            served, now, self.reported_pages(snap), queue, layers=list(self.layer_bits),
+            self.served, now, self.reported_pages(snap), queue, layers=list(self.layer_bits),
             swap_order=list(self.swap_order), member_of=group.plan if group is not None else None, plan=self.plan,
             free_pages=self.ledger.num_free, busy=self.busy.share(now), draining=False,
             hold_s=max(0.0, self.hold_until - now) if group is not None else 0.0, world=self.world,

@@ -7,7 +7,9 @@ float32's in the same run:
 
     float32          F.linear on the full-precision weight (the baseline)
     int8_reference   our W8A16 torch reference: the codes cast to float32, then F.linear
-    int8_served      w8a16_linear as the engine calls it: torch's packed int8 kernel in bfloat16 at decode rows
+    int8_served      w8a16_linear as the engine calls it, on the codes as its slot holds them (down_proj
+                     input-major): torch's packed int8 kernel in bfloat16 at decode rows, bfloat16 past them
+                     where the CPU has AMX-BF16
     int8pack_fp32    torch._weight_int8pack_mm with float32 activations (to 16 rows: past them it runs for
                      seconds a pass, 30-70x float32)
     int4_reference   our W4A16 torch reference: unpack, dequantize, F.linear
@@ -52,7 +54,7 @@ def engine_config(shape):
 
 def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
     """Each layer's linears, in every format a candidate reads."""
-    from services.executor.engine.model.decoder import TORCH_CPU, ffn_piece_width, int4_group_of
+    from services.executor.engine.model.decoder import INPUT_MAJOR, TORCH_CPU, ffn_piece_width, int4_group_of
     from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
     from services.executor.engine.morphing.variants import int4_variant
 
@@ -68,8 +70,9 @@ def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
             w = torch.randn(n, k, generator=gen) * 0.02
             q4 = quantize_int4(w, int4_group_of(name, k, cfg))
             q8 = quantize_int8(w)
+            served8 = q8.qweight.t().contiguous().t() if name == INPUT_MAJOR else q8.qweight
             layer[name] = dict(name=name, w=w, w16=w.bfloat16(), q8=q8, q8t=q8.qweight.t().contiguous(), q4=q4,
-                               served4=int4_variant(name, q4, cfg, TORCH_CPU))
+                               served8=served8, served4=int4_variant(name, q4, cfg, TORCH_CPU))
         out.append(layer)
     return out
 
@@ -82,7 +85,7 @@ def candidates(rows: int, compiled: bool) -> dict:
     found = {
         "float32": lambda x, t: F.linear(x, t["w"]),
         "int8_reference": lambda x, t: w8a16_linear_ref(x, t["q8"].qweight, t["q8"].scale),
-        "int8_served": lambda x, t: w8a16_linear(x, t["q8"].qweight, t["q8"].scale),
+        "int8_served": lambda x, t: w8a16_linear(x, t["served8"], t["q8"].scale),
         "int4_reference": lambda x, t: w4a16_linear_ref(x, t["q4"].packed, t["q4"].scale, t["q4"].zero,
                                                         t["q4"].group_size),
         "int4_served": lambda x, t: linear(x, t["served4"], t["name"], 4),

@@ -33,11 +33,12 @@ count, so neither is used. It needs the codes contiguous, so a transposed
 (input-major) weight stays on the reference.
 
 On a CPU with AMX-BF16 the rows past the packed kernel's cast the codes to bfloat16 and multiply on the
-tiles (``w8a16_linear_cpu_bf16``): on an Intel Xeon with AMX that was 1.2x float32 at 16 rows, 1.6x at 64 and
-2.5-2.8x at 256-512, where the packed kernel is 0.5-1.2x and the reference 1.0x. The cast reads every code once
-a call, so it loses to the packed kernel below 16 rows. Quantizing the activations to int8 too (W8A8 on
-AMX-INT8, ``torch._int_mm``) was faster still at 16-64 rows (1.9x, 2.3x), but with every layer at INT8 the
-default model kept its float32 greedy tokens for 38% of them against 53% for W8A16, so it is not used.
+tiles (``w8a16_linear_cpu_bf16``): on an Intel Xeon with AMX the INT8 rung was then 1.1x float32 at 16 rows,
+1.6x at 64 and 2.4x at 256 (2.8x at 512), where the packed kernel is 0.5-1.2x and the reference 0.9x. The cast
+reads every code once a call, so it loses to the packed kernel below 16 rows. Quantizing the activations to
+int8 too (W8A8 on AMX-INT8, ``torch._int_mm``) was faster still at 16-64 rows (1.9x, 2.3x), but with every
+layer at INT8 the default model followed its float32 greedy tokens for 38% of their length against 53% for
+W8A16 (docs/benchmarks.md), so it is not used.
 """
 
 from __future__ import annotations

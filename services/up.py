@@ -93,6 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="CoCoServe on instances of several executors (--plan, --tp): replicate layers onto idle "
                          "members, migrate, evict and cut the batch under SLO violations (default: default with the "
                          "replicate lever and a --mode other than off, else off)")
+    ap.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one morph setting of the controller's preset, e.g. max_layers=30 (repeatable)")
     ap.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one CoCoServe setting of the controller, e.g. t_down=0.2 (repeatable)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_service("monitor", monitor_args(args, nats_url))
         cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve,
                                              "--levers", ",".join(args.levers) or "none",
+                                             *(f"--morph-set={kv}" for kv in args.morph_set),
                                              *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set)])
         dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
         if dist_url:

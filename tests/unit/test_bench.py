@@ -289,3 +289,10 @@ def test_settle_waits_until_the_cluster_is_at_rest_and_still(monkeypatch):
     clock[0] = 0.0
     views = iter([{"bits": 8}] * 100)
     assert suite.settle("http://gw", {}, at_rest(cluster()), rest_s=2.0, timeout_s=5.0, still_s=3.0)[1] is False
+
+
+def test_morph_settings_given_to_bench_reach_the_systems_of_modes_that_morph(tmp_path):
+    args = parse_args(["--modes", "fp16,morph", "--rate-scale", "0.3", "--morph-mode", "performance",
+                       "--morph-set", "max_layers=30", "--out", str(tmp_path)])
+    assert "--morph-set=max_layers=30" in suite.up_command(args, "morph", 8000, tmp_path)
+    assert not any(flag.startswith("--morph-set") for flag in suite.up_command(args, "fp16", 8000, tmp_path))

@@ -77,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "`morphling up`'s for the default regime)")
     ap.add_argument("--morph-mode", default="accuracy", choices=("accuracy", "default", "performance"),
                     help="the controller's preset where a mode moves anything (default %(default)s)")
+    ap.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one setting of that preset, as `morphling up --morph-set` (repeatable)")
     ap.add_argument("--slo-ttft", type=float, default=2.0,
                     help="TTFT SLO in seconds: the table's violations, and the system's (default %(default)s)")
     ap.add_argument("--slo-tpot", type=float, default=0.5,

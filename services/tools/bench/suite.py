@@ -57,7 +57,8 @@ def up_command(args, mode: str, port: int, log_dir) -> list[str]:
             # The system judges its SLOs as the bench does: CoCoServe scales down on what is scored.
             "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
             "--timeout", str(args.startup_timeout),
-            *up_args(MODES[mode], args.executors, args.memory_budget, args.morph_mode, args.model, args.out / "plans")]
+            *up_args(MODES[mode], args.executors, args.memory_budget, args.morph_mode, args.model, args.out / "plans"),
+            *(f"--morph-set={kv}" for kv in args.morph_set if MODES[mode].levers)]
 
 
 def play(url: str, model: str, requests: list[TraceRequest], prompts: list[list[int]], args, label: str) -> Replay:

@@ -31,14 +31,6 @@ docs/benchmarks.md) it was 1.45-1.88x faster than float32 at 1-4 rows and
 and ``torch.compile`` of the reference were slower than float32 at every row
 count, so neither is used. It needs the codes contiguous, so a transposed
 (input-major) weight stays on the reference.
-
-On a CPU with AMX-BF16 the rows past the packed kernel's cast the codes to bfloat16 and multiply on the
-tiles (``w8a16_linear_cpu_bf16``): on an Intel Xeon with AMX the INT8 rung was then 1.1x float32 at 16 rows,
-1.6x at 64 and 2.4x at 256 (2.8x at 512), where the packed kernel is 0.5-1.2x and the reference 0.9x. The cast
-reads every code once a call, so it loses to the packed kernel below 16 rows. Quantizing the activations to
-int8 too (W8A8 on AMX-INT8, ``torch._int_mm``) was faster still at 16-64 rows (1.9x, 2.3x), but with every
-layer at INT8 the default model followed its float32 greedy tokens for 38% of their length against 53% for
-W8A16 (docs/benchmarks.md), so it is not used.
 """
 
 from __future__ import annotations
@@ -64,7 +56,7 @@ except ImportError:  # CPU-only installs run the torch path.
 # the tuner times 16-row GEMM tiles too.
 DECODE_MAX_ROWS = 16
 GEMM_MIN_ROWS = 2
-CPU_PACKED_MAX_ROWS = 12  # on CPU, rows up to this take torch's packed int8 kernel (break-even near 16)
+CPU_PACKED_MAX_ROWS = 8  # on CPU, rows up to this take torch's packed int8 kernel (break-even near 16)
 
 
 def w8a16_linear_ref(
@@ -359,42 +351,12 @@ def w8a16_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W8A16 linear with Triton on CUDA; on CPU torch's packed kernel for a decode's few rows and, for more,
-    bfloat16 where the CPU has AMX-BF16; the torch reference elsewhere."""
+    """W8A16 linear with Triton on CUDA, torch's packed kernel for a CPU decode, the torch reference elsewhere."""
     if _HAS_TRITON and x.is_cuda:
         return w8a16_linear_triton(x, qweight, scale, bias)
-    if x.device.type != "cpu":
-        return w8a16_linear_ref(x, qweight, scale, bias)
-    few = x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1]
-    if few and qweight.is_contiguous():
+    if x.device.type == "cpu" and x.numel() <= CPU_PACKED_MAX_ROWS * x.shape[-1] and qweight.is_contiguous():
         return w8a16_linear_cpu_packed(x, qweight, scale, bias)
-    if not few and cpu_has_amx_bf16():  # a few rows of transposed codes cast faster to float32 (6.6 ms to 9.5)
-        return w8a16_linear_cpu_bf16(x, qweight, scale, bias)
     return w8a16_linear_ref(x, qweight, scale, bias)
-
-
-@functools.cache
-def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX-BF16 and the OS lets torch use its tiles."""
-    try:
-        return bool(torch._C._cpu._get_cpu_capability().get("amx_bf16")) and bool(torch._C._cpu._init_amx())
-    except (AttributeError, RuntimeError):  # a torch without these probes: take the CPU for one without AMX
-        return False
-
-
-def w8a16_linear_cpu_bf16(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`w8a16_linear_ref` in bfloat16 (exact for the codes; the activations and the product rounded), the
-    result in ``x``'s dtype: AMX-BF16's path where the CPU has it."""
-    y = F.linear(x.to(torch.bfloat16), qweight.to(torch.bfloat16)).to(x.dtype)
-    y.mul_(scale.to(x.dtype))
-    if bias is not None:
-        y.add_(bias.to(x.dtype))
-    return y
 
 
 def w8a16_linear_cpu_packed(

@@ -8,8 +8,7 @@ float32's in the same run:
     float32          F.linear on the full-precision weight (the baseline)
     int8_reference   our W8A16 torch reference: the codes cast to float32, then F.linear
     int8_served      w8a16_linear as the engine calls it, on the codes as its slot holds them (down_proj
-                     input-major): torch's packed int8 kernel in bfloat16 at decode rows, bfloat16 past them
-                     where the CPU has AMX-BF16
+                     input-major): torch's packed int8 kernel in bfloat16 at decode rows
     int8pack_fp32    torch._weight_int8pack_mm with float32 activations (to 16 rows: past them it runs for
                      seconds a pass, 30-70x float32)
     int4_reference   our W4A16 torch reference: unpack, dequantize, F.linear

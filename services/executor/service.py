@@ -60,15 +60,16 @@ def latency_profile_path(choice: str | None, device: str, layers: object) -> str
 def shipped_latency_profile(device: str, layers: object, processor: str | None = None) -> Path | None:
     """The shipped profile measured on this CPU (`processor`: cpu_model()'s reading) and on layers of this shape,
     else one that names no CPU; None where none fits."""
-    from shared.core.planner.latency import LatencyError, load_profile
+    from shared.core.planner.latency import FittedLatency, LatencyError
 
     processor = cpu_model() if processor is None else processor
-    measured_on = {path: json.loads(path.read_text()).get("machine", {}).get("processor", "")
-                   for path in SHIPPED_LATENCY_PROFILES.get(device.split(":")[0], []) if path.exists()}
+    records = {path: json.loads(path.read_text())
+               for path in SHIPPED_LATENCY_PROFILES.get(device.split(":")[0], []) if path.exists()}
+    measured_on = {path: record.get("machine", {}).get("processor", "") for path, record in records.items()}
     fitting = [p for p, on in measured_on.items() if on == processor] + [p for p, on in measured_on.items() if not on]
     for path in fitting:
         try:
-            load_profile(path).check_layers(layers, str(path))
+            FittedLatency.from_profile(records[path]).check_layers(layers, str(path))
         except LatencyError:
             continue
         return path

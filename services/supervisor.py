@@ -37,10 +37,10 @@ RESTART_RESET_AFTER_S = 60.0
 CRASH_LOOP_RESTARTS = 5
 CRASH_LOOP_WINDOW_S = 120.0
 
-# The executors read their world from these when no flag gives it. `up` gives it on the first run's command
-# line only; one inherited from up's own environment would put a lone executor, or a restarted one, into
-# a world that is not there.
-WORLD_ENV = ("MORPHLING_DIST_URL", "MORPHLING_RANK", "MORPHLING_WORLD_SIZE", "MORPHLING_TP", "MORPHLING_PLAN")
+# The executors read their world from these when no flag gives it. `up` gives it on the command line; one
+# inherited from up's own environment would put a lone executor into a world that is not there.
+WORLD_ENV = ("MORPHLING_RANK", "MORPHLING_WORLD_SIZE", "MORPHLING_ADVERTISE_HOST", "MORPHLING_TP",
+             "MORPHLING_PLAN")
 
 RESTART, WAIT, GIVE_UP = "restart", "wait", "give up"
 STARTUP_FAILURE, CRASH_LOOP = "start-up failure", "crash loop"

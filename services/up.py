@@ -16,9 +16,10 @@ client, which reconnects forever, finds it again); a crash loop makes `up` give 
 ready, a child that exits with a status is a start-up failure (a bad model, a bad flag) that no
 restart would cure, so `up` stops there. The process table and that policy are services/supervisor.py.
 
-With more than one executor, the executors join one torch.distributed world at an address `up` picks,
-and serve as the instances `--tp` or `--plan` describe (DESIGN.md, "Instances across executors"). A
-world cannot be rejoined, so a restarted executor comes back without it and serves alone (TP1).
+With more than one executor, the executors meet over the bus as one world of peers and serve as the
+instances `--tp` or `--plan` describe (DESIGN.md, "Instances across executors"). A restarted executor
+runs with the same flags: it meets its peers again and, its instance's other members serving alone by
+then, serves alone (TP1) as a peer they can merge with.
 """
 
 import argparse
@@ -34,7 +35,6 @@ from services.supervisor import CRASH_LOOP, Child, Cluster, Flag, exit_descripti
 from shared.config import (DEFAULT_MODEL_NAME, LEVERS, PROJECT_ROOT, parse_levers, parse_size, seconds,
                            served_model_name)
 from shared.core.plans import FFN_PIECES, PlanError, read_plan_file
-from shared.net import free_port
 
 MORPHING_MODES = ("accuracy", "default", "performance")
 
@@ -258,7 +258,7 @@ def monitor_args(args: argparse.Namespace, nats_url: str) -> list[str]:
 
 
 def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[str]:
-    """Executor `index`'s arguments apart from the world's (world_args): all that its restarts run with."""
+    """Executor `index`'s arguments apart from the world's (world_args)."""
     device = executor_device(args.device, index)
     out = ["--nats", nats_url, "--id", f"exec{index}", "--model", args.model,
            "--device", device, "--static-bits", str(args.static_bits), "--swap-order", args.swap_order]
@@ -280,13 +280,11 @@ def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[s
     return out + _given(args, "bus_outage")
 
 
-def world_args(args: argparse.Namespace, index: int, dist_url: str | None) -> list[str]:
-    """What puts executor `index` into the executors' world and its instance: its first run only."""
+def world_args(args: argparse.Namespace, index: int) -> list[str]:
+    """What puts executor `index` into the executors' world and its instance."""
     if args.executors == 1:
         return []
-    if dist_url is None:
-        raise ValueError("several executors need the world's address")
-    out = ["--dist-url", dist_url, "--rank", str(index), "--world-size", str(args.executors)]
+    out = ["--rank", str(index), "--world-size", str(args.executors)]
     if args.tp is not None:
         out += ["--tp", str(args.tp)]
     if args.plan is not None:
@@ -368,17 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                                              "--levers", ",".join(args.levers) or "none",
                                              *(f"--morph-set={kv}" for kv in args.morph_set),
                                              *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set)])
-        dist_url = f"tcp://127.0.0.1:{free_port()}" if args.executors > 1 else None
-        if dist_url:
+        if args.executors > 1:
             shape = f"--plan {args.plan}" if args.plan else f"TP{args.tp or 1} instances"
-            progress(f"the executors join one world at {dist_url} ({shape})")
+            progress(f"the executors meet as one world over the bus ({shape})")
         for i in range(args.executors):
-            alone = executor_args(args, nats_url, i)
-            world = world_args(args, i, dist_url)
-            if world:
-                # torch.distributed has no way back into a world: a restarted member serves alone, as TP1.
-                cluster.restart_args[f"exec{i}"] = alone
-            cluster.start_service("executor", alone + world, name=f"exec{i}")
+            cluster.start_service("executor", executor_args(args, nats_url, i) + world_args(args, i),
+                                  name=f"exec{i}")
         cluster.start_service("gateway", gateway_args(args, nats_url))
 
         # A wildcard bind address is not something to connect to.

@@ -148,6 +148,17 @@ class Cancel(Message):
     request_id: str
 
 
+# --- the executors' fabric ------------------------------------------------------------------------
+class PeerAnnouncement(Message):
+    """An executor of a fabric says it lives, where its rendezvous is, and whether it serves yet (heartbeat)."""
+    executor: str
+    incarnation: str  # new at every process start: its groups of an earlier life are void
+    rank: int  # its place in the start-time order
+    rendezvous: str  # HOST:PORT of the store it hosts
+    model: str
+    serving: bool = False  # its role has started: a restarted peer does not wait for it to form a start plan
+
+
 # --- telemetry and state --------------------------------------------------------------------------
 class KvPages(Part):
     pages_total: int  # pages in the arena (weights and KV)

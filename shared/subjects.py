@@ -5,6 +5,7 @@ PREFIX = "morphling"
 STATE = f"{PREFIX}.state"  # monitor -> gateway, controller: ClusterState
 EVENTS = f"{PREFIX}.events"  # anyone -> anyone: Event
 TELEMETRY_ALL = f"{PREFIX}.telemetry.*"
+PEERS = f"{PREFIX}.peers"  # executor -> executors of a fabric, every PEER_HEARTBEAT_S: PeerAnnouncement
 
 
 def infer(executor: str) -> str:

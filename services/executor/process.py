@@ -1,9 +1,10 @@
-"""The executor process: flags, joining the world, and what this executor is in its instance.
+"""The executor process: flags, meeting its peers, and what this executor is in its instance.
 
-`start_role` joins the executors' world when there is one (DESIGN.md, "Instances across executors"), reads
-the instance plans (`--tp`, `--plan`, else every executor alone) and builds this executor's part: the
-service of an engine that holds the whole model or leads an instance (service.py), or a follower
-(follower.py). When the instance breaks, the process rebuilds itself as a TP1 instance of its own.
+With `--world-size` above 1 it hosts a rendezvous and meets the world's executors over the bus (`join_fabric`,
+peers.py); `start_role` reads the instance plans (`--tp`, `--plan`, else every executor alone) and builds this
+executor's part: the service of an engine that holds the whole model or leads an instance (service.py), or a
+follower (follower.py). A restarted executor whose plan's members already serve serves alone (plans.start_plan).
+When the instance breaks, the process rebuilds itself as a TP1 instance of its own, still a peer that merges.
 
 `--static-bits 8|4` quantizes every decoder layer once, after the engine loads and before the
 executor serves: the static INT8/INT4 baselines that morphing is measured against. It goes through
@@ -21,7 +22,8 @@ from services.executor.service import ExecutorService
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import EngineConfig, ExecutorConfig, parse_size, read_swap_order, seconds
 from shared.core.errors import EngineError
-from shared.core.plans import FULL_BITS, INSTANCE_PREFIX, PlanError, alone, instance_plans, plan_of, quantized_layers
+from shared.core.plans import (FULL_BITS, INSTANCE_PREFIX, PlanError, alone, instance_plans, quantized_layers,
+                                start_plan)
 from shared.messages import InstancePlan
 from shared.telemetry import setup_tracing
 
@@ -100,10 +102,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         "CPU), else none (default %(default)s)")
     world = p.add_argument_group("instances across executors", "without a world of several executors, this "
                                  "executor serves the whole model alone")
-    world.add_argument("--dist-url", help="the world's rendezvous, tcp://HOST:PORT, hosted by rank 0 "
-                                          "(default $MORPHLING_DIST_URL)")
-    world.add_argument("--rank", type=int, help="this executor's rank in the world (default $MORPHLING_RANK)")
-    world.add_argument("--world-size", type=int, help="executors in the world (default $MORPHLING_WORLD_SIZE, else 1)")
+    world.add_argument("--rank", type=int, default=_env_int("MORPHLING_RANK"),
+                       help="this executor's place in the world's start-time order (default $MORPHLING_RANK, else 0)")
+    world.add_argument("--world-size", type=int, default=_env_int("MORPHLING_WORLD_SIZE"),
+                       help="executors the start-time plans are made for; above 1, this executor meets them over "
+                            "the bus first (default $MORPHLING_WORLD_SIZE, else 1)")
+    world.add_argument("--advertise-host", default=os.environ.get("MORPHLING_ADVERTISE_HOST") or "127.0.0.1",
+                       help="the address peers reach this executor's rendezvous at (default "
+                            "$MORPHLING_ADVERTISE_HOST, else %(default)s)")
     world.add_argument("--dist-timeout", type=seconds(), default=30.0, metavar="SECONDS",
                        help="how long any collective waits for a peer before the instance is called broken "
                             "(default %(default)s)")
@@ -143,17 +149,29 @@ def main(argv: list[str]) -> int:
                             latency_profile=args.latency_profile)
     from services.executor.fabric.world import FabricError
 
-    try:
-        role, world = start_role(args, config)
-    except (EngineError, PlanError, ValueError) as exc:  # FabricError is an EngineError
-        log.error("executor %s cannot start: %s", config.executor_id, exc)
-        return 1
-
-    async def serve() -> None:
-        nonlocal role
-        bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
+    async def serve() -> int:
+        bus, directory = None, None
+        try:
+            if (args.world_size or 1) > 1:
+                # The peers are met over the bus, so it comes first; the engine loads once they are there.
+                bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
+                directory = await join_fabric(args, config, bus)
+                role = await asyncio.to_thread(start_role, args, config, directory.world,
+                                               set(directory.serving_peers))
+            else:
+                role = start_role(args, config)
+                bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
+        except (EngineError, PlanError, ValueError) as exc:  # FabricError is an EngineError
+            log.error("executor %s cannot start: %s", config.executor_id, exc)
+            if bus is not None:
+                await bus.close()
+            return 1
+        world = directory.world if directory is not None else None
         stopping = stop_on_signals()
         await role.start(bus)
+        if directory is not None:
+            directory.serving = True
+            await directory.announce()
         while True:
             waits = [asyncio.create_task(stopping.wait()), asyncio.create_task(role.broken.wait())]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -161,53 +179,72 @@ def main(argv: list[str]) -> int:
                 task.cancel()
             if stopping.is_set():
                 break
-            # A member is gone and a world cannot be rejoined: serve the whole model alone from here on.
+            # A member is gone: its instance's groups are closed; serve the whole model alone, still a peer.
             log.warning("executor %s: its instance is broken; serving alone as a TP1 instance", config.executor_id)
             await role.stop(0.0)
-            world.close()
             role = None
             try:
-                role = await asyncio.to_thread(solo_role, args, config)
+                role = await asyncio.to_thread(alone_in_world, args, config, world)
             except EngineError as exc:
                 log.error("executor %s cannot serve alone: %s", config.executor_id, exc)
                 raise FabricError(str(exc)) from exc
             await role.start(bus)
         log.info("executor %s: stopping; no new requests", config.executor_id)
         await role.stop(args.drain_timeout)
+        if directory is not None:
+            await directory.stop()
+            world.close()
         await bus.close()
+        return 0
 
     try:
-        asyncio.run(serve())
+        return asyncio.run(serve())
     except (BusError, FabricError) as exc:
         log.error("executor %s: %s", config.executor_id, exc)
         return 1
-    return 0
 
 
-def start_role(args: argparse.Namespace, config: ExecutorConfig):
-    """Join the world (when there is one), find our instance, and build what we are in it: the service
-    of an engine (alone, or leading an instance) or a follower. Returns it and the world (or None)."""
+async def join_fabric(args: argparse.Namespace, config: ExecutorConfig, bus: Bus):
+    """Host this executor's rendezvous, announce it, and wait for the start-time world's ranks to announce
+    theirs (a restarted executor finds them there already)."""
+    from services.executor.fabric.world import FabricError, World
+    from services.executor.peers import PeerDirectory
+    from shared.config import served_model_name
+
+    if not 0 <= (args.rank or 0) < args.world_size:
+        raise ValueError(f"--rank {args.rank} is outside a world of {args.world_size}")
+    world = World.host(config.executor_id, args.rank or 0, args.advertise_host, config.engine.device,
+                       args.dist_timeout)
+    directory = PeerDirectory(world, served_model_name(config.engine.model))
+    await directory.start(bus)
+    log.info("executor %s: rendezvous at %s; waiting for the %d executors of the world", config.executor_id,
+             world.me.rendezvous, args.world_size)
+    try:
+        await directory.wait_for_ranks(args.world_size, args.dist_timeout)
+    except FabricError:
+        await directory.stop()
+        world.close()
+        raise
+    return directory
+
+
+def start_role(args: argparse.Namespace, config: ExecutorConfig, world=None, serving: set[str] = frozenset()):
+    """Find our instance in `world` (when there is one) and build what we are in it: the service of an engine
+    (alone, or leading an instance) or a follower. `serving`: the peers that already serve (we restarted)."""
     from services.executor.engine.engine import LLMEngine, model_len
     from services.executor.engine.model.loader import load_checkpoint
-    from services.executor.fabric.world import World, WorldSettings
 
-    settings = WorldSettings.from_args(args.dist_url, args.rank, args.world_size, args.dist_timeout)
-    if settings is None:
+    if world is None:
         if args.tp not in (None, 1) or args.plan:
-            raise PlanError("--tp above 1 and --plan need a world of executors: --dist-url, --rank and --world-size")
-        return solo_role(args, config), None
-    world = World.join(settings, config.executor_id, config.engine.device)
+            raise PlanError("--tp above 1 and --plan need a world of executors: --world-size and --rank")
+        return solo_role(args, config)
     checkpoint = load_checkpoint(config.engine.model)
     num_layers = checkpoint.config.num_layers
-    plans = instance_plans(world.names, num_layers, args.tp, args.plan, args.static_bits, args.instance_prefix)
-    world.create_groups(plans)
-    plan = plan_of(plans, config.executor_id)
+    names = world.names[:args.world_size]
+    plans = instance_plans(names, num_layers, args.tp, args.plan, args.static_bits, args.instance_prefix)
+    plan = start_plan(plans, config.executor_id, serving, num_layers, args.static_bits)
     if len(plan.members) == 1:
-        # Alone in a world, it needs to hold only one block of its own: a TP merge holds the longest sequence.
-        config = replace(config, engine=replace(config.engine, min_kv_tokens=config.engine.block_size))
-        service = solo_role(args, config, plan, world)
-        cluster_check(service.engine, world.settings.size)
-        return service, world
+        return alone_in_world(args, config, world, plan)
     from services.executor.fabric.member import InstanceMember, Seat
 
     seat = Seat(world, plan, config.executor_id)
@@ -215,14 +252,24 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig):
         from services.executor.fabric.leader import seated
 
         return ExecutorService(config, LLMEngine(config.engine, progress=False, place=seated(seat, config.engine)),
-                               plan), world
+                               plan)
     from services.executor.engine.engine import DTYPES
     from services.executor.follower import FollowerService
 
     max_model_len = model_len(config.engine, checkpoint.config)
     member = InstanceMember(seat, config.engine, checkpoint, DTYPES[config.engine.resolved_dtype()], max_model_len,
                             progress=False)
-    return FollowerService(config, member, max_model_len), world
+    return FollowerService(config, member, max_model_len)
+
+
+def alone_in_world(args: argparse.Namespace, config: ExecutorConfig, world, plan: InstancePlan | None = None
+                   ) -> "ExecutorService":
+    """An executor that holds the whole model as a peer of `world`: alone, it needs to hold only one block of
+    its own, as a TP merge holds the longest sequence."""
+    config = replace(config, engine=replace(config.engine, min_kv_tokens=config.engine.block_size))
+    service = solo_role(args, config, plan, world)
+    cluster_check(service.engine, args.world_size)
+    return service
 
 
 def solo_role(args: argparse.Namespace, config: ExecutorConfig, plan: InstancePlan | None = None,

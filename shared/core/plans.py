@@ -219,6 +219,16 @@ def plan_of(plans: list[InstancePlan], executor: str) -> InstancePlan:
     return next(p for p in plans if executor in p.members)
 
 
+def start_plan(plans: list[InstancePlan], executor: str, serving: Collection[str], num_layers: int,
+               bits: int = FULL_BITS) -> InstancePlan:
+    """The instance `executor` starts in: its planned one, unless another of its members already serves. That
+    is a restart: the members went on alone when it died, so it too serves alone, a peer they may merge with."""
+    plan = plan_of(plans, executor)
+    if any(m != executor and m in serving for m in plan.members):
+        return alone(executor, num_layers, bits)
+    return plan
+
+
 @dataclass(frozen=True)
 class Segment:
     """A run of consecutive layers computed by the same executors."""

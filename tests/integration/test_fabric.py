@@ -179,3 +179,33 @@ def test_killing_a_tp2_member_mid_stream_ends_the_stream_with_an_error_and_the_l
     finally:
         up.interrupt(STOP_TIMEOUT_S)
 
+
+
+def test_a_killed_member_rejoins_as_a_peer_and_merges_again(tiny, tmp_path):
+    """SIGKILL the follower of a TP2 instance: up restarts it with the same flags, it meets exec0 again (a new
+    incarnation, groups formed afresh) and serves alone beside it; a tp_merge of the two then works, and the
+    merged instance generates what one executor does."""
+    up = serve(tmp_path, tiny, TINY_FLAGS, "--executors", "2", "--tp", "2")
+    try:
+        model = served_model_name(tiny)
+        os.kill(up.pid("exec1"), signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + READY_TIMEOUT_S
+        while True:  # both serve alone: exec0 once its instance broke, exec1 once restarted
+            ids = sorted(i["id"] for i in cluster(up.url)["instances"])
+            if ids == ["i-exec0", "i-exec1"]:
+                break
+            assert time.monotonic() < deadline, f"the two never served alone: {ids}\n{up.logs()}"
+            time.sleep(0.5)
+        back = time.monotonic()
+        merged = httpx.post(f"{up.url}/v1/cluster/morph", json={"action": "tp_merge", "executors": ["exec0", "exec1"]},
+                            timeout=120)
+        assert merged.status_code == 200, merged.text
+        assert time.monotonic() - back <= 30, "the merge took longer than the rejoin target"
+        [instance] = cluster(up.url)["instances"]
+        assert (instance["members"], instance["tp"]) == (["exec0", "exec1"], 2)
+        assert complete(up.url, model, PROMPTS[2]) == alone(tiny, TINY_FLAGS, [PROMPTS[2]])[0]
+        print(f"exec1 killed; both serving alone {back - killed:.1f} s later; merged in "
+              f"{time.monotonic() - back:.1f} s")
+    finally:
+        up.interrupt(STOP_TIMEOUT_S)

@@ -7,12 +7,10 @@ generates, nothing recomputed, nothing lost. Four executors likewise merge into 
 import multiprocessing
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model.loader import load_checkpoint
 from services.executor.fabric import step as wire
 from services.executor.fabric.transform import merge, split
 from services.executor.fabric.world import FabricError, World, WorldSettings
 from shared.config import EngineConfig
-from shared.core.plans import instance_plans
 from shared.net import free_port
 from shared.sampling import SamplingOptions
 from tests.checkpoints import write_tiny_llama3, write_tiny_llama_8kv
@@ -28,9 +26,7 @@ TIMEOUT_S = 60.0
 
 
 def _join(config: EngineConfig, url: str, rank: int) -> World:
-    world = World.join(WorldSettings(url, rank, 2, TIMEOUT_S), f"exec{rank}", "cpu")
-    world.create_groups(instance_plans(world.names, load_checkpoint(config.model).config.num_layers))
-    return world
+    return World.join(WorldSettings(url, rank, 2, TIMEOUT_S), f"exec{rank}", "cpu")
 
 
 def _step(engine: LLMEngine, out: dict[str, list[int]]) -> None:
@@ -126,7 +122,6 @@ def _member_of_four(config: EngineConfig, url: str, rank: int, params: SamplingO
     names = [f"exec{r}" for r in range(4)]
     world = World.join(WorldSettings(url, rank, 4, TIMEOUT_S), names[rank], "cpu")
     try:
-        world.create_groups(instance_plans(world.names, load_checkpoint(config.model).config.num_layers))
         engine, alone = _alone_first(config, params, (rank,))
         members = ["exec3", "exec0", "exec1", "exec2"]
         member = merge(engine, world, members, names[rank], "m4")

@@ -115,17 +115,18 @@ def test_executor_reserves_a_gpu_and_mounts_models(compose):
     assert "--model" in executor["command"] and "healthcheck" in executor
 
 
-def test_executor_0_hosts_the_executors_world_and_a_second_can_join(compose):
+def test_executor_0_is_a_peer_of_the_executors_world_and_a_second_can_join(compose):
     env = compose["services"]["executor-0"]["environment"]
-    # The world's address is executor-0's own service name: the other members reach rank 0 there.
-    assert re.fullmatch(r"tcp://executor-0:\d+", env["MORPHLING_DIST_URL"])
+    # It advertises its rendezvous by its own service name: the other members reach it there.
+    assert env["MORPHLING_ADVERTISE_HOST"] == "executor-0"
     assert (env["MORPHLING_RANK"], env["MORPHLING_WORLD_SIZE"]) == ("0", "${WORLD_SIZE:-1}")
     # Passed through only when set where compose runs: an empty value is not "no --tp".
     assert env["MORPHLING_TP"] is None and env["MORPHLING_PLAN"] is None
     # Its own variables add to the ones every service has.
     assert {"OTEL_EXPORTER_OTLP_ENDPOINT", "MORPHLING_API_KEYS"} <= set(env)
     header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
-    for text in ('MORPHLING_RANK: "1"', "MORPHLING_DIST_URL", "WORLD_SIZE", "MORPHLING_TP", "MORPHLING_PLAN"):
+    for text in ('MORPHLING_RANK: "1"', "MORPHLING_ADVERTISE_HOST: executor-1", "WORLD_SIZE", "MORPHLING_TP",
+                 "MORPHLING_PLAN"):
         assert text in header
 
 

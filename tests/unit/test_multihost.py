@@ -107,9 +107,9 @@ def test_each_service_reaches_its_own_hosts_nats_node(name):
     ([{}, {"WORKER_RANK_0": "4", "WORKER_RANK_1": "5"}], "6"),
 ])
 def test_the_executors_of_every_host_form_one_world(workers, world_size):
-    """torch.distributed needs ranks 0..WORLD_SIZE-1 exactly once, one rendezvous address and one size for all,
-    and distinct executor ids (World.join refuses a world whose ids repeat); the bus needs distinct gateway
-    ids (each has its own token subject) and JetStream distinct NATS server names."""
+    """The start-time plans need ranks 0..WORLD_SIZE-1 exactly once and one size for all, each executor its
+    host's address to advertise its rendezvous at, and distinct executor ids (a peer is known by its id); the
+    bus needs distinct gateway ids (each has its own token subject) and JetStream distinct NATS server names."""
     env = {"HEAD_HOST": HEAD_HOST, "WORKER_HOST": "10.0.0.9", "NATS_ROUTES": "[]",
            "NATS_ROUTE_PASSWORD": ROUTE_PASSWORD}
     if world_size != "4":
@@ -119,9 +119,10 @@ def test_the_executors_of_every_host_form_one_world(workers, world_size):
                  if s.get("command", [""])[0] == "executor"]
     ranks = {int(s["environment"]["MORPHLING_RANK"]): host for host, s in executors}
     assert sorted(ranks) == list(range(int(world_size))) and len(ranks) == len(executors)
-    assert ranks[0] == "head"  # rank 0 hosts the rendezvous at HEAD_HOST
-    world = {(s["environment"]["MORPHLING_DIST_URL"], s["environment"]["MORPHLING_WORLD_SIZE"]) for _, s in executors}
-    assert world == {(f"tcp://{HEAD_HOST}:29500", world_size)}
+    assert ranks[0] == "head"
+    assert {s["environment"]["MORPHLING_WORLD_SIZE"] for _, s in executors} == {world_size}
+    assert {s["environment"]["MORPHLING_ADVERTISE_HOST"]: host == "head" for host, s in executors} == {
+        HEAD_HOST: True, "10.0.0.9": False}
     # The instances' shape comes from the same place on every host.
     assert all(s["environment"]["MORPHLING_TP"] is None and s["environment"]["MORPHLING_PLAN"] is None
                and s["environment"]["MORPHLING_INSTANCE_PREFIX"] is None for _, s in executors)

@@ -93,15 +93,6 @@ def test_good_tp_bodies_parse():
     assert admin.parse_morph({"action": "tp_split", "instance": "tp-exec0-exec1"}).instance == "tp-exec0-exec1"
 
 
-def test_what_a_collective_gathers_is_put_back_in_the_members_order():
-    from services.executor.fabric.world import World, WorldSettings
-
-    world = World(WorldSettings("tcp://127.0.0.1:1", 0, 4), WORLD)
-    # group(["exec2", "exec0"]) has exec0 as group rank 0: a gather lists exec0's first.
-    assert world.in_member_order(["exec2", "exec0"], ["from exec0", "from exec2"]) == ["from exec2", "from exec0"]
-    assert world.in_member_order(["exec1", "exec3"], ["a", "b"]) == ["a", "b"]
-
-
 def test_a_request_only_four_hold_merges_four_executors_serving_alone_at_once():
     s = state(*(solo(f"exec{i}") for i in range(4)))
     instances = instances_from(s, "m")

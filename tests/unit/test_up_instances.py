@@ -15,7 +15,7 @@ from services.up import executor_args, parse_args, refused, world_args
 
 ROOT = Path(__file__).resolve().parents[2]
 NATS = "nats://127.0.0.1:1"
-WORLD_FLAGS = {"--dist-url", "--rank", "--world-size", "--tp", "--plan", "--dist-timeout"}
+WORLD_FLAGS = {"--rank", "--world-size", "--tp", "--plan", "--dist-timeout"}
 
 
 def flag(args: list[str], name: str) -> str | None:
@@ -135,7 +135,7 @@ def test_the_command_line_refuses_a_bad_plan_at_once(tmp_path):
 def test_one_executor_gets_nothing_new(monkeypatch):
     monkeypatch.setattr(up, "cpu_cores", lambda: 16)
     args = parse_args(["--tp", "1", "--dist-timeout", "5"])
-    assert world_args(args, 0, None) == []
+    assert world_args(args, 0) == []
     assert executor_args(args, NATS, 0) == ["--nats", NATS, "--id", "exec0", "--model", "default", "--device", "cpu",
                                             "--static-bits", "16", "--swap-order", "auto"]
 
@@ -188,16 +188,13 @@ def test_the_executors_default_to_the_shipped_latency_profile_where_it_fits_and_
 
 def test_several_executors_join_one_world_by_rank():
     args = parse_args(["--executors", "3"])
-    assert [world_args(args, i, "tcp://127.0.0.1:7") for i in range(3)] == [
-        ["--dist-url", "tcp://127.0.0.1:7", "--rank", str(i), "--world-size", "3"] for i in range(3)]
-    with pytest.raises(ValueError):
-        world_args(args, 0, None)
+    assert [world_args(args, i) for i in range(3)] == [["--rank", str(i), "--world-size", "3"] for i in range(3)]
 
 
 def test_tp_and_the_collective_timeout_go_to_every_member_when_given():
     args = parse_args(["--executors", "4", "--tp", "2", "--dist-timeout", "12.5"])
     for i in range(4):
-        world = world_args(args, i, "tcp://h:1")
+        world = world_args(args, i)
         assert (flag(world, "--tp"), flag(world, "--dist-timeout"), flag(world, "--rank")) == ("2", "12.5", str(i))
         assert "--plan" not in world
 
@@ -207,7 +204,7 @@ def test_the_plan_goes_as_an_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = parse_args(["--executors", "2", "--plan", "plan.json"])
     assert refused(args) is None
-    assert [flag(world_args(args, i, "tcp://h:1"), "--plan") for i in range(2)] == [str(tmp_path / "plan.json")] * 2
+    assert [flag(world_args(args, i), "--plan") for i in range(2)] == [str(tmp_path / "plan.json")] * 2
     assert all(WORLD_FLAGS.isdisjoint(executor_args(args, NATS, i)) for i in range(2))
 
 
@@ -219,26 +216,20 @@ def test_a_plan_needs_a_world(tmp_path):
 
 # --- what up starts, and what it restarts ---------------------------------------------------------------
 
-def test_up_starts_the_world_and_restarts_members_outside_it(tmp_path, monkeypatch):
+def test_up_starts_the_world_and_restarts_members_with_the_same_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(up, "cpu_cores", lambda: 8)
     children = spawned(monkeypatch, ["--log-dir", str(tmp_path), "--executors", "2", "--tp", "2",
                                      "--dist-timeout", "7"])
     first = [service_args(children[f"exec{i}"]["cmd"]) for i in range(2)]
-    (url,) = {flag(args, "--dist-url") for args in first}
-    assert url.startswith("tcp://127.0.0.1:") and int(url.rsplit(":", 1)[1]) > 0
     assert [(flag(a, "--rank"), flag(a, "--world-size"), flag(a, "--tp"), flag(a, "--dist-timeout"))
             for a in first] == [("0", "2", "2", "7"), ("1", "2", "2", "7")]
     for i in range(2):
         child = children[f"exec{i}"]
-        restart = child["restart_cmd"]
-        assert restart[:4] == child["cmd"][:4]
-        assert service_args(restart) == executor_args(parse_args(["--executors", "2"]), NATS, i)
-        assert WORLD_FLAGS.isdisjoint(restart)
-        # The rest stays: its id, its share of the cores.
-        assert (flag(restart, "--id"), flag(restart, "--threads")) == (f"exec{i}", "4")
-        # The first run is the restart's command line and the world's arguments after it.
-        assert child["cmd"] == restart + world_args(parse_args(["--executors", "2", "--tp", "2", "--dist-timeout",
-                                                                "7"]), i, url)
+        # A restarted member meets its peers again (it then serves alone: plans.start_plan).
+        assert child["restart_cmd"] is None
+        assert (flag(child["cmd"], "--id"), flag(child["cmd"], "--threads")) == (f"exec{i}", "4")
+        assert service_args(child["cmd"]) == executor_args(parse_args(["--executors", "2"]), NATS, i) + world_args(
+            parse_args(["--executors", "2", "--tp", "2", "--dist-timeout", "7"]), i)
     for name in ("monitor", "controller", "gateway"):
         assert children[name]["restart_cmd"] is None
 

@@ -66,7 +66,6 @@ class InstanceMember:
         self.shard = Shard(plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
         self.checkpoint = view = MemberCheckpoint(checkpoint, self.shard)
         cfg = view.config
-        self.group = world.group(plan.members)
         held = layers_on(plan, me)
         geometry = ArenaGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, dtype)
         self.arena = Arena(geometry, config.memory_budget, layer_layout(cfg, dtype)[1], max_model_len, config.device,
@@ -104,7 +103,6 @@ class InstanceMember:
         self.adopt(plan)
         self.shard = Shard(plan.tp, plan.members.index(me))
         self.checkpoint = None  # a TP instance refuses layer operations before they would read it
-        self.group = world.group(plan.members)
         self.arena, self.model = engine.arena, engine.model
         self.model.reduce = self._all_reduce
         self.hidden_size, self.dtype = self.model.cfg.hidden_size, self.model.dtype
@@ -120,6 +118,12 @@ class InstanceMember:
         self.last_sent = time.monotonic()
         self.merged_state = merged
         return self
+
+    @property
+    def group(self):
+        """The instance's process group (formed at its first collective; held by the world alone, so that
+        closing it closes its connections)."""
+        return self.world.group(self.plan.members)
 
     def adopt(self, plan: InstancePlan) -> None:
         """Serve `plan` from the next step on."""
@@ -198,13 +202,13 @@ class InstanceMember:
 
     def share(self, flat: torch.Tensor | None, what: str) -> torch.Tensor:
         """The leader's int64 tensor `flat`, on every member (the others pass None)."""
-        leader = self.world.rank_of(self.leader)
+        leader = self.world.group_rank(self.plan.members, self.leader)
         with self.collective(what):
             size = torch.tensor([flat.numel() if flat is not None else 0], dtype=torch.int64)
-            dist.broadcast(size, leader, group=self.group)
+            dist.broadcast(size, group=self.group, group_src=leader)
             if flat is None:
                 flat = torch.empty(int(size), dtype=torch.int64)
-            dist.broadcast(flat, leader, group=self.group)
+            dist.broadcast(flat, group=self.group, group_src=leader)
         return flat
 
     # --- a follower's side ------------------------------------------------------------------------
@@ -226,7 +230,7 @@ class InstanceMember:
         except Exception as exc:
             log.exception("executor %s: running the leader's step failed", self.me)
             self.broken = True
-            self.world.close()
+            self.world.drop(self.plan.members)
             raise FabricError(f"{self.me}'s part of the leader's step failed: {exc!r}") from exc
         if step.kind == wire.LEAVE:
             raise LeaderLeft(f"the leader of instance {self.plan.id} ended it")
@@ -288,7 +292,7 @@ class InstanceMember:
     def hop(self, tensor: torch.Tensor, src: str, dst: str, what: str = "hidden states") -> torch.Tensor:
         """Move `tensor` from `src` to `dst` (the receiver passes a buffer of the right shape)."""
         with self.collective(f"moving {what} {src} -> {dst}"):
-            dist.broadcast(tensor, self.world.rank_of(src), group=self.world.group((src, dst)))
+            dist.broadcast(tensor, group=self.world.group((src, dst)), group_src=self.world.group_rank((src, dst), src))
         return tensor
 
     def barrier(self, what: str) -> None:
@@ -331,15 +335,15 @@ class InstanceMember:
 
     @contextlib.contextmanager
     def collective(self, what: str):
-        """checked(), and a failure marks the member broken and leaves the world, so that every peer still
-        waiting on us fails at once too instead of after its timeout."""
+        """checked(), and a failure marks the member broken and closes the instance's groups, so that every peer
+        still waiting on us fails at once too instead of after its timeout."""
         self._check_whole()
         try:
             with checked(f"instance {self.plan.id}: {what}"):
                 yield
         except FabricError:
             self.broken = True
-            self.world.close()
+            self.world.drop(self.plan.members)
             raise
 
     def snapshot(self) -> LedgerSnapshot:

@@ -38,7 +38,6 @@ def _join(config: EngineConfig, shape: Shape, url: str, rank: int, timeout_s: fl
     world = World.join(settings, f"exec{rank}", config.device)
     checkpoint = load_checkpoint(config.model)
     plans = shape.plans(world.names, checkpoint.config.num_layers)
-    world.create_groups(plans)
     return world, checkpoint, plan_of(plans, f"exec{rank}")
 
 

@@ -62,13 +62,12 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
     instance). `carry` (picklable) travels with this member's sequences: the service's record of its
     requests; every member's is in `merged_state.carried`."""
     rank, tp = members.index(me), len(members)
-    group = world.group(members)
     model, arena = engine.model, engine.arena
     clock = Clock()
 
     def all_reduce(partial: torch.Tensor) -> torch.Tensor:
         with checked(f"instance {instance_id}: all-reducing a TP shard's output"):
-            dist.all_reduce(partial, group=group)
+            dist.all_reduce(partial, group=world.group(members))
         return partial
 
     seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
@@ -78,7 +77,7 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
             "seqs": [] if rank == 0 else engine.export_sequences(), "carry": carry}
     everyone: list[dict] = [None] * tp  # type: ignore[list-item]
     with checked(f"instance {instance_id}: sharing what each member holds"):
-        dist.all_gather_object(everyone, mine, group=group)
+        dist.all_gather_object(everyone, mine, group=world.group(members))
     everyone = world.in_member_order(members, everyone)
     clock.lap("share_s")
 
@@ -143,7 +142,7 @@ def split(engine: "LLMEngine", member: InstanceMember,
         member.send_step(wire.StepPlan(wire.SPLIT))
         decision = [_split_decision(engine, member, carry)]
     with checked(f"instance {member.plan.id}: sharing the split's decision"):
-        dist.broadcast_object_list(decision, world.rank_of(member.leader), group=member.group)
+        dist.broadcast_object_list(decision, group=member.group, group_src=world.group_rank(members, member.leader))
     targets, refs, handed, where = (decision[0][k] for k in ("targets", "refs", "handed", "where"))
     live = set(targets)
     mine = {"units": {b: member.page_of[b] for b in live},
@@ -215,7 +214,8 @@ def exchange_heads(arena, world: World, members: list[str], me: str, moves: list
             continue
         buffer = outgoing[(src, dst)] if rank == src else units.new_empty((len(ms), *units.shape[1:]))
         with checked(f"moving {len(ms)} KV heads {members[src]} -> {members[dst]}"):
-            dist.broadcast(buffer, world.rank_of(members[src]), group=world.group((members[src], members[dst])))
+            pair = (members[src], members[dst])
+            dist.broadcast(buffer, group=world.group(pair), group_src=world.group_rank(pair, members[src]))
         if rank == dst:
             received.append((torch.tensor([m.dst_unit for m in ms]), buffer))
     if local is not None:

@@ -21,13 +21,11 @@ from pathlib import Path
 import torch
 
 from services.executor.engine.engine import LLMEngine
-from services.executor.engine.model.loader import load_checkpoint
 from services.executor.fabric import step as wire
 from services.executor.fabric.transform import merge, split
 from services.executor.fabric.world import World, WorldSettings
 from services.tools.microbench.prompts import sharegpt_prompts
 from shared.config import EngineConfig, data_dir, parse_size
-from shared.core.plans import instance_plans
 from shared.net import free_port
 from shared.sampling import SamplingOptions
 
@@ -55,9 +53,7 @@ def _config(args) -> EngineConfig:
 
 
 def _join(config: EngineConfig, url: str, rank: int) -> World:
-    world = World.join(WorldSettings(url, rank, 2, 120.0), MEMBERS[rank], config.device)
-    world.create_groups(instance_plans(world.names, load_checkpoint(config.model).config.num_layers))
-    return world
+    return World.join(WorldSettings(url, rank, 2, 120.0), MEMBERS[rank], config.device)
 
 
 def _fill(engine: LLMEngine, prompts: list[list[int]], tag: str) -> None:

@@ -174,7 +174,6 @@ def _echo(url: str, token_counts: Sequence[int], hidden: int, dtype: torch.dtype
     torch.set_num_threads(threads)
     world = World.join(WorldSettings(url, 1, 2, WORLD_TIMEOUT_S), "exec1", "cpu")
     try:
-        world.create_groups([])
         pair = world.group(("exec0", "exec1"))
         with checked("echoing hidden states to exec0"):
             for tokens in token_counts:
@@ -209,7 +208,6 @@ def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, t
     world = None
     try:
         world = World.join(WorldSettings(url, 0, 2, WORLD_TIMEOUT_S), "exec0", "cpu")
-        world.create_groups([])
         pair = world.group(("exec0", "exec1"))
         hops, reduces = [], []
         with checked("timing hidden-state hops and all-reduces between exec0 and exec1"):

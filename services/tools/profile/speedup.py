@@ -179,8 +179,8 @@ def _echo(url: str, token_counts: Sequence[int], hidden: int, dtype: torch.dtype
             for tokens in token_counts:
                 buffer = torch.empty(tokens, hidden, dtype=dtype)
                 for _ in range(HOP_WARMUP + HOP_ROUNDS):
-                    dist.broadcast(buffer, 0, group=pair)
-                    dist.broadcast(buffer, 1, group=pair)
+                    dist.broadcast(buffer, group=pair, group_src=0)
+                    dist.broadcast(buffer, group=pair, group_src=1)
                 for _ in range(HOP_WARMUP + HOP_ROUNDS):
                     dist.all_reduce(buffer, group=pair)
     finally:
@@ -214,7 +214,8 @@ def measure_hops(token_counts: Sequence[int], hidden: int, dtype: torch.dtype, t
             for tokens in token_counts:
                 rows = torch.randn(tokens, hidden).to(dtype)
                 size = rows.numel() * rows.element_size()
-                trip = median_round(lambda: (dist.broadcast(rows, 0, group=pair), dist.broadcast(rows, 1, group=pair)))
+                trip = median_round(lambda: (dist.broadcast(rows, group=pair, group_src=0),
+                                             dist.broadcast(rows, group=pair, group_src=1)))
                 hops.append((size, trip / 2))
                 reduces.append((size, median_round(lambda: dist.all_reduce(rows, group=pair))))
         return hops, reduces

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "what replicate, evict and migrate cost by number of layers (CoCoServe's Table 2)"),
     "bench-amoebas": ("services.tools.microbench.amoebas",
                       "what a runtime TP merge and split cost, part by part (AMOEBAs' Figs. 9-10)"),
+    "bench-groups": ("services.tools.microbench.groups",
+                     "how long a process group of executors takes to form on demand, with its first all-reduce"),
     "bench-bus": ("services.tools.bench.bus_scale",
                   "what the real monitor and controller sustain as synthetic executors' telemetry grows to 1,000"),
     "bench-hybrid": ("services.tools.bench.hybrid",
@@ -50,6 +52,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "by hand through a gateway: quantize or restore layers, replicate, migrate or evict them, cap the batch, "
               "merge executors into a TP instance and split it"),
     "status": ("services.admin_cli:status_main", "the cluster as a gateway sees it: load, KV pages, layer bits"),
+    "scale": ("services.scale_cli", "add executors to a running `morphling up`, or drain and remove them"),
     "events": ("services.events_cli", "what the controller and the monitor decided, and why, from the event stream"),
 }
 

@@ -261,6 +261,20 @@ class Cluster:
                 progress(f"{child.name} restarted (restart {child.restarts}, pid {child.proc.pid})")
         return None
 
+    def retire(self, name: str) -> None:
+        """Stop child `name` for good (SIGTERM, SIGKILL after its role's stop timeout): it is restarted no more."""
+        child = next(c for c in self.children if c.name == name)
+        self.children.remove(child)
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=self.stop_timeouts.get(child.role, 10.0))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        (self.log_dir / f"{name}.pid").unlink(missing_ok=True)
+        progress(f"{name} stopped for good ({exit_description(child.proc.returncode)})")
+
     def stop(self) -> None:
         """SIGTERM role by role in STOP_ORDER, waiting for each role before the next; SIGKILL stragglers."""
         ranks = {role: i for i, role in enumerate(STOP_ORDER)}

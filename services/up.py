@@ -97,6 +97,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="override one morph setting of the controller's preset, e.g. max_layers=30 (repeatable)")
     ap.add_argument("--cocoserve-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one CoCoServe setting of the controller, e.g. t_down=0.2 (repeatable)")
+    ap.add_argument("--capacity-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one setting of when the controller asks for more executors or fewer, e.g. "
+                         "sustain_s=10 (repeatable)")
     ap.add_argument("--static-bits", type=int, default=16, choices=(16, 8, 4),
                     help="bits of every decoder layer, fixed: 8 or 4 are the static baselines (with --mode off), "
                          "16 is full precision as loaded (default %(default)s)")
@@ -280,6 +283,11 @@ def executor_args(args: argparse.Namespace, nats_url: str, index: int) -> list[s
     return out + _given(args, "bus_outage")
 
 
+def join_args(args: argparse.Namespace, index: int) -> list[str]:
+    """What makes executor `index`, added while the deployment runs (`morphling scale`), a peer of the world."""
+    return ["--join", "--rank", str(index), *_given(args, "dist_timeout")]
+
+
 def world_args(args: argparse.Namespace, index: int) -> list[str]:
     """What puts executor `index` into the executors' world and its instance."""
     if args.executors == 1:
@@ -365,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_service("controller", ["--nats", nats_url, "--mode", args.mode, "--cocoserve", args.cocoserve,
                                              "--levers", ",".join(args.levers) or "none",
                                              *(f"--morph-set={kv}" for kv in args.morph_set),
-                                             *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set)])
+                                             *(f"--cocoserve-set={kv}" for kv in args.cocoserve_set),
+                                             *(f"--capacity-set={kv}" for kv in args.capacity_set)])
         if args.executors > 1:
             shape = f"--plan {args.plan}" if args.plan else f"TP{args.tp or 1} instances"
             progress(f"the executors meet as one world over the bus ({shape})")
@@ -430,10 +439,24 @@ def _wait_and_serve(cluster: Cluster, args, base: str, nats_url: str, started: f
     count = f"{args.executors} executor{'s' if args.executors > 1 else ''}"
     announce_ready(f"{base} (model {name}, {count}, bus {nats_url}, up in {time.monotonic() - started:.1f} s)", base)
 
-    while not stop_requested.wait(0.25):
-        if _ended(cluster, time.monotonic(), ready=True):
-            return 1
-    return 0
+    from services.scaling import ScaleService
+
+    def start_executor(name: str) -> None:
+        index = int(name.removeprefix("exec"))
+        cluster.start_service("executor", executor_args(args, nats_url, index) + join_args(args, index), name=name)
+        progress(f"{name} added (morphling scale)")
+
+    scaler = ScaleService(nats_url, lambda: [c.name for c in cluster.children if c.role == "executor"],
+                          start_executor, cluster.retire)
+    scaler.start()
+    try:
+        while not stop_requested.wait(0.25):
+            scaler.run_pending()
+            if _ended(cluster, time.monotonic(), ready=True):
+                return 1
+        return 0
+    finally:
+        scaler.stop()
 
 
 def _ended(cluster: Cluster, now: float, ready: bool) -> bool:

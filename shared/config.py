@@ -279,6 +279,8 @@ class ControllerConfig:
     levers: tuple[str, ...] = LEVERS
     # Seconds between its "stats" events (states received and planned, the time planning took); 0: none.
     stats_interval_s: float = 10.0
+    # When it asks for more executors or fewer (shared/core/policies/capacity.py): CapacitySettings by name.
+    capacity_overrides: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if self.stats_interval_s < 0:

@@ -148,7 +148,32 @@ class Cancel(Message):
     request_id: str
 
 
+GATEWAY_HEARTBEAT_S = 1.0
+GATEWAY_SILENCE_S = 3.0  # three beats: a gateway silent this long is gone, and its requests with it
+
+
+class GatewayHeartbeat(Message):
+    """A gateway lives (every GATEWAY_HEARTBEAT_S): the executors drop the requests of one that restarted or went
+    silent."""
+    gateway: str
+    incarnation: str  # new at every process start
+
+
 # --- the executors' fabric ------------------------------------------------------------------------
+class ScaleRequest(Message):
+    """`morphling scale`: have this many executors (`morphling up` adds them, or drains and removes the newest)."""
+    executors: int = Field(ge=1)
+
+
+class ScaleReply(Message):
+    ok: bool
+    executors: list[str]  # those serving once it is done
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class PeerAnnouncement(Message):
     """An executor of a fabric says it lives, where its rendezvous is, and whether it serves yet (heartbeat)."""
     executor: str
@@ -156,6 +181,7 @@ class PeerAnnouncement(Message):
     rank: int  # its place in the start-time order
     rendezvous: str  # HOST:PORT of the store it hosts
     model: str
+    world: str  # the world's name (its instance prefix): worlds sharing a bus keep apart
     serving: bool = False  # its role has started: a restarted peer does not wait for it to form a start plan
 
 

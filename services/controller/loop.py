@@ -14,7 +14,8 @@ unread in the server (which cut the controller off as a slow consumer at 1,000 e
 
 Every `stats_interval_s` it publishes a "stats" event with its counts since it started: states received,
 states planned (fewer when states came faster than it planned) and the seconds validating, planning and
-dispatching them took, so that its decision time at scale is read off the bus.
+dispatching them took, so that its decision time at scale is read off the bus. The executors it wants
+(shared/core/policies/capacity.py) ride on it, and a change of them is a "scale" event at once.
 """
 
 import asyncio
@@ -27,6 +28,7 @@ from shared.bus import BadMessage, Bus, BusError, unsubscribe, validate
 from shared.commands import CommandSender
 from shared.config import ControllerConfig
 from shared.core.delivery import sendable
+from shared.core.policies.capacity import CapacityAdvice, capacity_settings
 from shared.core.policies.interface import PlannedCommand, Policy
 from shared.messages import ClusterState, CommandResult, Event
 
@@ -55,12 +57,16 @@ class Controller:
         self.planned = 0  # of them, planned
         self.plan_s = 0.0  # seconds planning and dispatching them took
         self.plan_max_s = 0.0  # the longest since the last stats event
+        self.capacity = CapacityAdvice(capacity_settings(**dict(config.capacity_overrides)))
+        self.desired_executors: int | None = None
+        self._bus: Bus | None = None
 
     @property
     def latest(self) -> ClusterState | None:
         return self.history[-1] if self.history else None
 
     async def start(self, bus: Bus) -> None:
+        self._bus = bus
         self.sender = CommandSender(bus, self.config.controller_id, self.config.command_timeout_s,
                                     self.config.command_retries)
         self._runner = asyncio.create_task(self._run(), name="controller-plan")
@@ -112,6 +118,7 @@ class Controller:
                 if planned is None:
                     continue
                 self.dispatch(planned)
+                await self._advise(planned)
             except Exception:  # planning must survive one bad state, or the controller goes quiet
                 log.exception("planning on the state of %s failed", body.get("time"))
             took = time.perf_counter() - started
@@ -128,11 +135,30 @@ class Controller:
             return None
         return self.plan(state)
 
+    async def _advise(self, planned: list[PlannedCommand]) -> None:
+        """The executors wanted after the latest state; a change of them goes out at once."""
+        state = self.history[-1]
+        desired = self.capacity.desired(state, len(planned))
+        if desired == self.desired_executors:
+            return
+        first, self.desired_executors = self.desired_executors is None, desired
+        if first and desired == sum(e.alive for e in state.executors):
+            return  # as many as there are: the stats events say so
+        data = {"desired_executors": desired, "live_executors": sum(e.alive for e in state.executors),
+                "reason": self.capacity.reason(state, desired)}
+        log.info("desired executors: %d (%s)", desired, data["reason"])
+        try:
+            await self._bus.publish(subjects.EVENTS, Event(kind="scale", source=self.config.controller_id,
+                                                           time=time.time(), data=data))
+        except BusError as exc:  # the next stats event carries it
+            log.debug("scale event not published: %s", exc)
+
     async def _report(self, bus: Bus) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             data = {"states": self.received, "planned": self.planned, "plan_s": self.plan_s,
-                    "plan_max_s": self.plan_max_s, "in_flight": len(self._busy)}
+                    "plan_max_s": self.plan_max_s, "in_flight": len(self._busy),
+                    "desired_executors": self.desired_executors}
             self.plan_max_s = 0.0
             try:
                 await bus.publish(subjects.EVENTS, Event(kind="stats", source=self.config.controller_id,

@@ -31,6 +31,7 @@ from services.controller.loop import Controller
 from shared.bus import Bus, BusError, stop_on_signals
 from shared.config import LEVERS, ControllerConfig, parse_levers, read_swap_order, seconds
 from shared.core.policies import cocoserve_algorithms, ladder
+from shared.core.policies.capacity import capacity_settings
 from shared.core.policies.morph import MODES, settings_for_mode
 from shared.core.speedup import SpeedupProfile
 from shared.telemetry import setup_tracing
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--amoebas", choices=("on", "off"), default="on" if defaults.amoebas else "off",
                         help="split TP instances the gateway merged for long requests back once those are done "
                              "(AMOEBAs; default %(default)s)")
+    parser.add_argument("--capacity-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting of when it asks for more executors or fewer, e.g. sustain_s=10 "
+                             "(shared/core/policies/capacity.py; repeatable)")
     parser.add_argument("--stats-interval", type=seconds(allow_zero=True), default=defaults.stats_interval_s,
                         metavar="SECONDS", help="seconds between its stats events (states received and planned, "
                                                 "the time planning took); 0: none (default %(default)g)")
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                "leave_windows", "up_windows", "min_dwell_s")
                            if getattr(args, key) is not None}
         cocoserve_algorithms.settings_for_mode(args.cocoserve, **coco_overrides)
+        capacity = dict(parse_setting(text, "--capacity-set") for text in args.capacity_set)
+        capacity_settings(**capacity)
         profile = SpeedupProfile.load(args.speedup) if args.speedup else None
     except (ValueError, TypeError) as exc:  # SpeedupProfileError among them
         parser.error(str(exc))
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                               morph_mode=args.mode, morph_overrides=tuple(overrides.items()),
                               cocoserve_mode=args.cocoserve, cocoserve_overrides=tuple(coco_overrides.items()),
                               speedup_profile=args.speedup, amoebas=args.amoebas == "on", levers=levers,
-                              stats_interval_s=args.stats_interval)
+                              stats_interval_s=args.stats_interval, capacity_overrides=tuple(capacity.items()))
     try:
         asyncio.run(_run_until_signalled(config, profile))
     except BusError as exc:

@@ -1,6 +1,6 @@
 """An executor's place in its fabric, kept over the bus: it announces itself (its rendezvous, whether it serves
-yet) every PEER_HEARTBEAT_S, takes in every executor of the same model that announces, and forgets one silent
-for PEER_SILENCE_S. So a peer that died is offered for no new instance, and a restarted one (a new
+yet) every PEER_HEARTBEAT_S, takes in every executor of the same world and model that announces, and forgets
+one silent for PEER_SILENCE_S. So a peer that died is offered for no new instance, and a restarted one (a new
 incarnation) is met again as a full peer, with groups formed afresh (fabric/world.py)."""
 
 import asyncio
@@ -10,6 +10,7 @@ import time
 from services.executor.fabric.world import FabricError, Peer, World
 from shared import subjects
 from shared.bus import Bus, BusError, Incoming, unsubscribe
+from shared.core.liveness import Heartbeats
 from shared.messages import PeerAnnouncement
 
 log = logging.getLogger(__name__)
@@ -19,11 +20,11 @@ PEER_SILENCE_S = 5.0  # several heartbeats: one lost message, or a slow second, 
 
 
 class PeerDirectory:
-    def __init__(self, world: World, model: str):
-        self.world, self.model = world, model
+    def __init__(self, world: World, name: str, model: str):
+        self.world, self.name, self.model = world, name, model
         self.serving = False  # this executor's role has started
         self.serving_peers: set[str] = set()  # the peers that said their role had started
-        self._seen: dict[str, float] = {}
+        self._heard = Heartbeats(PEER_SILENCE_S)
         self._bus: Bus | None = None
         self._sub = None
         self._task: asyncio.Task | None = None
@@ -47,7 +48,7 @@ class PeerDirectory:
         try:
             await self._bus.publish(subjects.PEERS, PeerAnnouncement(
                 executor=me.name, incarnation=me.incarnation, rank=me.rank, rendezvous=me.rendezvous,
-                model=self.model, serving=self.serving))
+                model=self.model, world=self.name, serving=self.serving))
         except BusError:  # down: the next heartbeat is what counts
             pass
 
@@ -71,9 +72,9 @@ class PeerDirectory:
 
     async def _on_peer(self, incoming: Incoming) -> None:
         peer = incoming.message
-        if peer.executor == self.world.me.name or peer.model != self.model:
+        if peer.executor == self.world.me.name or (peer.world, peer.model) != (self.name, self.model):
             return
-        self._seen[peer.executor] = time.monotonic()
+        self._heard.heard(peer.executor, peer.incarnation, time.monotonic())
         (self.serving_peers.add if peer.serving else self.serving_peers.discard)(peer.executor)
         if self.world.admit(Peer(peer.executor, peer.rank, peer.rendezvous, peer.incarnation)):
             self._changed.set()
@@ -83,11 +84,10 @@ class PeerDirectory:
         while True:
             await asyncio.sleep(PEER_HEARTBEAT_S)
             await self.announce()
-            now = time.monotonic()
-            for name, seen in list(self._seen.items()):
-                if now - seen > PEER_SILENCE_S:
-                    log.info("executor %s: peer %s silent for %.1f s: forgotten", self.world.me.name, name,
-                             now - seen)
-                    del self._seen[name]
-                    self.serving_peers.discard(name)
-                    self.world.forget(name)
+            if not self._bus.connected:  # we cannot hear them: their silence says nothing
+                self._heard.refresh(time.monotonic())
+                continue
+            for name in self._heard.silent(time.monotonic()):
+                log.info("executor %s: peer %s silent for %g s: forgotten", self.world.me.name, name, PEER_SILENCE_S)
+                self.serving_peers.discard(name)
+                self.world.forget(name)

@@ -107,6 +107,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     world.add_argument("--world-size", type=int, default=_env_int("MORPHLING_WORLD_SIZE"),
                        help="executors the start-time plans are made for; above 1, this executor meets them over "
                             "the bus first (default $MORPHLING_WORLD_SIZE, else 1)")
+    world.add_argument("--join", action="store_true", default=os.environ.get("MORPHLING_JOIN") == "1",
+                       help="be a peer of the world's executors of this model (they may merge with it) without a "
+                            "start-time plan: what an executor added to a running "
+                            "deployment does (default: $MORPHLING_JOIN=1)")
     world.add_argument("--advertise-host", default=os.environ.get("MORPHLING_ADVERTISE_HOST") or "127.0.0.1",
                        help="the address peers reach this executor's rendezvous at (default "
                             "$MORPHLING_ADVERTISE_HOST, else %(default)s)")
@@ -152,7 +156,7 @@ def main(argv: list[str]) -> int:
     async def serve() -> int:
         bus, directory = None, None
         try:
-            if (args.world_size or 1) > 1:
+            if args.join or (args.world_size or 1) > 1:
                 # The peers are met over the bus, so it comes first; the engine loads once they are there.
                 bus = await Bus.connect(config.nats_url, f"executor-{config.executor_id}")
                 directory = await join_fabric(args, config, bus)
@@ -211,16 +215,17 @@ async def join_fabric(args: argparse.Namespace, config: ExecutorConfig, bus: Bus
     from services.executor.peers import PeerDirectory
     from shared.config import served_model_name
 
-    if not 0 <= (args.rank or 0) < args.world_size:
-        raise ValueError(f"--rank {args.rank} is outside a world of {args.world_size}")
+    size = args.world_size or 1
+    if size > 1 and not 0 <= (args.rank or 0) < size:
+        raise ValueError(f"--rank {args.rank} is outside a world of {size}")
     world = World.host(config.executor_id, args.rank or 0, args.advertise_host, config.engine.device,
                        args.dist_timeout)
-    directory = PeerDirectory(world, served_model_name(config.engine.model))
+    directory = PeerDirectory(world, args.instance_prefix, served_model_name(config.engine.model))
     await directory.start(bus)
     log.info("executor %s: rendezvous at %s; waiting for the %d executors of the world", config.executor_id,
-             world.me.rendezvous, args.world_size)
+             world.me.rendezvous, size)
     try:
-        await directory.wait_for_ranks(args.world_size, args.dist_timeout)
+        await directory.wait_for_ranks(size, args.dist_timeout)
     except FabricError:
         await directory.stop()
         world.close()
@@ -238,6 +243,10 @@ def start_role(args: argparse.Namespace, config: ExecutorConfig, world=None, ser
         if args.tp not in (None, 1) or args.plan:
             raise PlanError("--tp above 1 and --plan need a world of executors: --world-size and --rank")
         return solo_role(args, config)
+    if (args.world_size or 1) <= 1:  # a peer that joined (--join): no start-time plan waits for it
+        if args.tp not in (None, 1) or args.plan:
+            raise PlanError("--tp above 1 and --plan are start-time plans of a world: they need --world-size")
+        return alone_in_world(args, config, world)
     checkpoint = load_checkpoint(config.engine.model)
     num_layers = checkpoint.config.num_layers
     names = world.names[:args.world_size]
@@ -268,7 +277,7 @@ def alone_in_world(args: argparse.Namespace, config: ExecutorConfig, world, plan
     its own, as a TP merge holds the longest sequence."""
     config = replace(config, engine=replace(config.engine, min_kv_tokens=config.engine.block_size))
     service = solo_role(args, config, plan, world)
-    cluster_check(service.engine, args.world_size)
+    cluster_check(service.engine, max(args.world_size or 1, len(world.names)))
     return service
 
 

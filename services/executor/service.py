@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.executor.commands import Commands
+from services.executor.gateways import GatewayWatch
 from services.executor.outbox import Outbox
 from services.executor.tokenization import detokenize, tokenize
 from services.executor.worker import EngineWorker
@@ -158,11 +159,11 @@ class ExecutorService:
                                    self._outbox.put, self._outbox.put_nowait, self._publish,
                                    max_queue_wait_s=config.max_queue_wait_s, on_broken=self._on_broken,
                                    on_pressure=self._on_pressure)
+        self._gateways = GatewayWatch(self.worker)
         self._pressure = asyncio.Event()
         self._pressure_event_at = 0.0  # when the last pressure event went out (they are rate-limited)
         self._pressure_tasks: set[asyncio.Task] = set()
-        if world is not None:
-            self.worker.tp.degrees = [k for k in (1, 2, MAX_TP) if k <= len(world.names)]
+        self._track_degrees()
 
     @property
     def draining(self) -> bool:
@@ -181,6 +182,7 @@ class ExecutorService:
                                           refuse=self._commands.refuse),
                       await bus.subscribe(subjects.tokenize(self.id), TokenizeRequest, self._on_tokenize),
                       await bus.subscribe(subjects.detokenize(self.id), DetokenizeRequest, self._on_detokenize)]
+        await self._gateways.start(bus)
         await bus.flush()
         # Telemetry is what makes the gateway route here, so it starts only once every subscription is in.
         self._telemetry_task = asyncio.create_task(self._telemetry(), name=f"{self.id}-telemetry")
@@ -199,6 +201,7 @@ class ExecutorService:
                         self.worker.snapshot.in_flight, drain_timeout_s)
         for sub in self._subs:
             await unsubscribe(sub)
+        await self._gateways.stop()
         self._outbox.stop_waiting()  # so that join() cannot hang on a stuck bus
         await asyncio.to_thread(self.worker.join)  # aborts what is left; its final deltas are queued
         self._telemetry_task.cancel()
@@ -290,7 +293,13 @@ class ExecutorService:
     async def _telemetry(self) -> None:
         await heartbeat(self._bus, self.id, self.telemetry, self.config.telemetry_interval_s, self._pressure)
 
+    def _track_degrees(self) -> None:
+        """The TP degrees its world can merge it into, as peers come and go."""
+        if self.world is not None:
+            self.worker.tp.degrees = [k for k in (1, 2, MAX_TP) if k <= len(self.world.names)]
+
     def telemetry(self) -> ExecutorTelemetry:
+        self._track_degrees()
         snap, engine, worker = self.worker.snapshot, self.engine, self.worker
         stats, ledger = snap.stats, snap.stats.ledger
         following = worker.tp.following

@@ -160,6 +160,19 @@ class EngineWorker:
     def abort_all(self) -> None:
         self._ops.put(self._abort_all)
 
+    def drop_gateway(self, gateway: str, admitted_before: float | None = None) -> None:
+        """Cancel the requests of `gateway` (admitted before that time.time(), if given): it is gone, and
+        nobody reads their tokens (gateways.py)."""
+        def drop() -> None:
+            gone = [rid for rid, t in self.records.tracked.items() if t.gateway == gateway
+                    and (admitted_before is None or t.admitted < admitted_before)]
+            if gone:
+                log.warning("executor %s: gateway %s is gone: cancelling its %d requests", self.executor, gateway,
+                            len(gone))
+            for request_id in gone:
+                self.cancels.add(request_id)
+        self._ops.put(drop)
+
     def count_rejection(self) -> None:
         with self._rejected_lock:
             self._rejected += 1

@@ -11,6 +11,7 @@ import hmac
 import inspect
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -25,10 +26,12 @@ from services.gateway.completions import SPAN_SCOPE_KEY, generate, read_json, to
 from services.gateway.dispatch import Dispatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
-from shared.bus import Bus
+from shared import subjects
+from shared.bus import Bus, BusError
 from shared.commands import CommandSender
 from shared.config import GatewayConfig, seconds
 from shared.core.router import serving
+from shared.messages import GATEWAY_HEARTBEAT_S, Event, GatewayHeartbeat
 from shared.telemetry import setup_tracing, tracer
 
 log = logging.getLogger("morphling.gateway")
@@ -162,6 +165,17 @@ def _openapi_with_bodies(app: FastAPI):
     return openapi
 
 
+async def _heartbeat(bus: Bus, gateway: str) -> None:
+    """Say this gateway lives: the executors cancel the requests of one that restarted or fell silent."""
+    beat = GatewayHeartbeat(gateway=gateway, incarnation=uuid.uuid4().hex[:12])
+    while True:
+        try:
+            await bus.publish(subjects.GATEWAYS, beat)
+        except BusError:  # down: the next beat is what counts
+            pass
+        await asyncio.sleep(GATEWAY_HEARTBEAT_S)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     gw = Gateway(config)
     otel = tracer("morphling.gateway")
@@ -176,8 +190,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gw.dispatcher = Dispatcher(gw.bus, config, gw.metrics, gw.commands)
         await gw.dispatcher.start()
         gw.bus.on_outage(config.bus_outage_s, lambda _: gw.dispatcher.bus_lost())
+        beating = asyncio.create_task(_heartbeat(gw.bus, config.gateway_id))
+
+        async def on_event(incoming) -> None:
+            gw.metrics.observe_event(incoming.message)
+        await gw.bus.subscribe(subjects.EVENTS, Event, on_event)
         log.info("gateway %s connected to %s", config.gateway_id, config.nats_url)
         yield
+        beating.cancel()
         await gw.bus.close()
 
     # Recent FastAPI emits its own server spans; ours carry the GenAI attributes, so one set is enough.

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.core.plans import leads
-from shared.messages import ClusterState, InstancePlan
+from shared.messages import ClusterState, Event, InstancePlan
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -54,13 +54,25 @@ class GatewayMetrics:
                                       registry=r)
         self.failovers = Counter("morphling_stream_failovers",
                                  "Requests continued on another executor after theirs was lost", registry=r)
+        self.desired = Gauge("morphling_desired_executors",
+                             "Executors the controller would have (one more while the SLO fails with every lever "
+                             "exhausted, one fewer while idle): for an autoscaler", registry=r)
+        self._desired_heard = False
         self._restarts: dict[str, int] = {}
         r.register(_RestartsCollector(self._restarts))
         self._instances = _InstancesCollector()
         r.register(self._instances)
 
+    def observe_event(self, event: Event) -> None:
+        desired = event.data.get("desired_executors") if event.kind in ("scale", "stats") else None
+        if isinstance(desired, int):
+            self.desired.set(desired)
+            self._desired_heard = True
+
     def observe_state(self, state: ClusterState) -> None:
         live = [e for e in state.executors if e.alive]
+        if not self._desired_heard:  # until the controller says otherwise, what there is
+            self.desired.set(len(live))
         self.running.set(sum(e.telemetry.running for e in live))
         self.waiting.set(sum(e.telemetry.waiting for e in live))
         self.kv_usage.set(sum(e.kv_usage for e in live) / len(live) if live else 0.0)

@@ -9,6 +9,8 @@ log directory, then checks that the system serves again before the next test:
 - the executor: the stream ends with an SSE error (the gateway may try another executor for only
   1 s, and there is none); `up` restarts the executor, a new request succeeds, and the gateway's
   /metrics counts the restart;
+- the gateway, with four long streams: the executor cancels the dead gateway's requests once it hears the
+  restarted one (a new incarnation) or its silence;
 - nats-server, back within the bus-outage bound (`up` restarts it after 0.5 s): the stream goes on and
   holds the same text as an undisturbed run;
 - nats-server, gone longer than the bound (the test holds its port, so `up`'s restarts fail for a
@@ -141,6 +143,43 @@ def test_a_killed_executor_ends_its_stream_with_an_error_and_comes_back(up):
         assert time.monotonic() < deadline, \
             f"{expected!r} not in /metrics:\n" + "\n".join(m for m in metrics.splitlines() if "restart" in m)
         time.sleep(0.5)
+
+
+def test_a_killed_gateways_requests_stop_running_on_the_executor(up):
+    """SIGKILL the gateway with four long streams on the executor: `up` restarts it, and the executor, hearing
+    a new incarnation (or the silence), cancels the dead one's requests instead of running them for nobody to
+    their last token (about 200 s here)."""
+    def running() -> int:
+        return next(e["running"] for e in httpx.get(f"{up.url}/v1/cluster", timeout=5).json()["executors"]
+                    if e["id"] == "exec0")
+
+    def long_stream() -> None:
+        try:
+            for _ in client(up.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1500,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"ignore_eos": True}):
+                pass
+        except openai.APIError:  # the gateway it streamed from is killed
+            pass
+
+    streams = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
+    for t in streams:
+        t.start()
+    deadline = time.monotonic() + 60
+    while running() < 4:
+        assert time.monotonic() < deadline, f"the four streams never ran together:\n{up.logs()}"
+        time.sleep(0.3)
+    os.kill(up.pid("gateway"), signal.SIGKILL)
+    killed = time.monotonic()
+    up.wait_console("gateway restarted (restart 1", timeout=30)
+    wait_serving(up)
+    while running():
+        assert time.monotonic() - killed < 30, f"the dead gateway's requests still run:\n{up.logs()}"
+        time.sleep(0.3)
+    assert "is gone: cancelling its 4 requests" in (up.log_dir / "exec0.log").read_text(errors="replace")
+    for t in streams:
+        t.join(timeout=10)
+    assert_answers(up)
 
 
 def test_a_nats_server_back_within_the_outage_bound_loses_no_text(up):

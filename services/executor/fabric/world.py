@@ -78,7 +78,8 @@ class World:
         self._peers: dict[str, Peer] = {me.name: me}
         self._stores: dict[str, dist.Store] = {me.rendezvous: store}
         self._groups: dict[tuple[str, ...], _Formed] = {}
-        self._generation: dict[tuple[str, ...], int] = {}  # groups of these members dropped so far
+        # Groups of these members, in these incarnations, dropped so far: a restarted member starts them afresh.
+        self._generation: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
         self.formations: list[float] = []  # seconds each group took to form, in order
         for peer in peers:
             self.admit(peer)
@@ -162,9 +163,9 @@ class World:
                 raise FabricError(f"executors {missing} are not peers of {self.me.name}")
             key = tuple(sorted(members, key=lambda m: self._peers[m].order))
             peers = [self._peers[m] for m in key]
+            incarnations = tuple(p.incarnation for p in peers)
             formed = self._groups.get(key)
-            generation = self._generation.get(key, 0)
-        incarnations = tuple(p.incarnation for p in peers)
+            generation = self._generation.get((key, incarnations), 0)
         if formed is not None and formed.incarnations == incarnations:
             return formed.pg
         start = time.perf_counter()
@@ -186,8 +187,8 @@ class World:
         with self._lock:
             gone = [k for k in self._groups if set(k) <= inside]
             for key in gone:
-                del self._groups[key]
-                self._generation[key] = self._generation.get(key, 0) + 1
+                dropped = (key, self._groups.pop(key).incarnations)
+                self._generation[dropped] = self._generation.get(dropped, 0) + 1
         if gone:
             gc.collect()  # a group's connections close when the last reference to it goes
 

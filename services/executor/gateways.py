@@ -43,9 +43,7 @@ class GatewayWatch:
     async def _sweep(self, bus: Bus) -> None:
         while True:
             await asyncio.sleep(GATEWAY_HEARTBEAT_S)
-            if not bus.connected:  # the bus outage's own rule (--bus-outage) decides what then
-                self._heard.refresh(time.monotonic())
-                continue
-            for gateway in self._heard.silent(time.monotonic()):
+            # While our bus is down the bus outage's own rule (--bus-outage) decides.
+            for gateway in self._heard.look(time.monotonic(), GATEWAY_HEARTBEAT_S, bus.connected):
                 log.info("executor %s: gateway %s silent for %g s", self.worker.executor, gateway, GATEWAY_SILENCE_S)
                 self.worker.drop_gateway(gateway)

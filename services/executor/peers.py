@@ -84,10 +84,7 @@ class PeerDirectory:
         while True:
             await asyncio.sleep(PEER_HEARTBEAT_S)
             await self.announce()
-            if not self._bus.connected:  # we cannot hear them: their silence says nothing
-                self._heard.refresh(time.monotonic())
-                continue
-            for name in self._heard.silent(time.monotonic()):
+            for name in self._heard.look(time.monotonic(), PEER_HEARTBEAT_S, self._bus.connected):
                 log.info("executor %s: peer %s silent for %g s: forgotten", self.world.me.name, name, PEER_SILENCE_S)
                 self.serving_peers.discard(name)
                 self.world.forget(name)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 class Heartbeats:
     silence_s: float
     _last: dict[str, tuple[str, float]] = field(default_factory=dict)  # name -> (incarnation, last heard)
+    _looked: float | None = None  # when look() last ran
 
     def heard(self, name: str, incarnation: str, now: float) -> bool:
         """Note a beat; whether it is news (a new name, or a new incarnation of one: the old one is gone)."""
@@ -23,6 +24,17 @@ class Heartbeats:
         for name in gone:
             del self._last[name]
         return gone
+
+    def look(self, now: float, every_s: float, hearing: bool = True) -> list[str]:
+        """silent(), for a caller that looks every `every_s`. While we cannot hear (our bus is down), or when this
+        look comes late (our own process was stopped or starved, and the beats wait unread in our socket), the
+        silence is ours: everyone counts as heard now."""
+        late = self._looked is not None and now - self._looked > 2 * every_s
+        self._looked = now
+        if late or not hearing:
+            self.refresh(now)
+            return []
+        return self.silent(now)
 
     def refresh(self, now: float) -> None:
         """Count everyone heard now: while we could not hear (our bus was down), silence says nothing of them."""

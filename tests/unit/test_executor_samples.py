@@ -25,7 +25,7 @@ from shared import subjects
 from shared.config import ExecutorConfig
 from shared.core.latency import BusyWindow, FinishedSamples, LatencyWindow
 from shared.core.scheduling.growth import pages_growth
-from shared.messages import Cancel, ExecutorTelemetry, RequestLatency
+from shared.messages import Cancel, ExecutorTelemetry, InstancePlan, LayerPlan, RequestLatency
 from shared.sampling import SamplingOptions
 from tests.checkpoints import tiny_llama3_engine
 from tests.unit.test_admission_guards import hold_engine
@@ -178,8 +178,10 @@ class _Following:
 
     def __init__(self, kinds: list[int], part_s: float = 0.2, fails: bool = False):
         self.kinds, self.part_s, self.fails = kinds, part_s, fails
-        self.busy, self.broken, self.closed = BusyWindow(), False, False
+        self.busy, self.broken, self.dropped = BusyWindow(), False, None
         self.me, self.world = "exec1", self
+        self.plan = InstancePlan(id="i0", leader="exec0", members=["exec0", "exec1"], tp=2,
+                                 layers=[LayerPlan(placement=["exec0", "exec1"])])
 
     def share(self, _tensor, _what):
         time.sleep(0.5)
@@ -191,8 +193,8 @@ class _Following:
         if self.fails:
             raise RuntimeError("a bug in our part")
 
-    def close(self):
-        self.closed = True
+    def drop(self, members):  # World.drop: the instance's groups close
+        self.dropped = list(members)
 
 
 def test_a_follower_is_busy_inside_its_part_of_a_step_not_while_waiting_for_the_next():
@@ -205,7 +207,7 @@ def test_a_bug_in_a_followers_part_breaks_its_instance_as_a_lost_member_would():
     member = _Following([wire.RUN], part_s=0.0, fails=True)
     with pytest.raises(FabricError, match="exec1's part of the leader's step failed"):
         InstanceMember.follow_one(member)
-    assert member.broken and member.closed
+    assert member.broken and member.dropped == ["exec0", "exec1"]
 
 
 # --- the pages still to come --------------------------------------------------------------------------

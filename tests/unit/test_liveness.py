@@ -34,3 +34,13 @@ def test_an_outage_of_our_own_is_nobodys_silence_and_the_unknown_are_never_gone(
     assert beats.silent(13.5) == ["gw0"] and "gw0" not in beats
     assert beats.silent(100.0) == [] and "nobody" not in beats
     assert beats.heard("gw0", "a", 101.0)  # heard again after being forgotten: news
+
+
+def test_a_late_look_is_our_own_stall_and_forgets_nobody():
+    beats = Heartbeats(3.0)
+    beats.heard("gw0", "a", 0.0)
+    assert beats.look(1.0, every_s=1.0) == []
+    assert beats.look(5.0, every_s=1.0) == []  # we were stopped 4 s: the beats wait unread
+    assert beats.look(6.0, every_s=1.0) == [] and "gw0" in beats
+    assert beats.look(9.5, every_s=1.0, hearing=False) == []  # our bus is down
+    assert [beats.look(t, every_s=1.0) for t in (10.0, 11.0, 12.0, 13.0)] == [[], [], [], ["gw0"]]

@@ -7,13 +7,16 @@ These are the torch references; the W8A16/W4A16 kernels in kernels/ consume the 
 CPU int4 kernel, which wants its own layout of the same codes (`to_cpu_int4pack`).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 INT4_GROUP = 128  # not the GGUF's Q4_1 group of 32: our full precision is that file, so real error shows
 CPU_INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
-CPU_INT4_BLOCK = 64  # its layout packs blocks of this many output rows, each a contiguous run of bytes
+# Its layout packs blocks of output rows, each a contiguous run of bytes: 64 rows with AVX512, 32 without
+# (cpu_int4pack_block); weights are cut in whole blocks of the larger, which fits either.
+CPU_INT4_BLOCK = 64
 
 
 def int4_group(in_features: int, preferred: int = INT4_GROUP) -> int:
@@ -72,12 +75,25 @@ def to_cpu_int4pack(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, sz.to(torch.bfloat16).contiguous()
 
 
-def cpu_int4pack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[out, in]`` codes of a weight in torch's CPU int4 layout: blocks of CPU_INT4_BLOCK output rows, in
-    which byte ``k·32 + n`` holds input k of row n in its low nibble and of row n + 32 in its high one."""
+@functools.cache
+def cpu_int4pack_block() -> int:
+    """The output rows of a block of torch's CPU int4 layout on this host, found by packing a known weight: torch
+    picks it by the CPU's vector width (64 on an AVX512 host, 32 on an AVX2 one)."""
+    codes = torch.randint(0, 16, (CPU_INT4_BLOCK, 8), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return next(b for b in (64, 32, 16) if torch.equal(_unblock(packed, b).to(torch.int32), codes))
+
+
+def _unblock(packed: torch.Tensor, block: int) -> torch.Tensor:
     out, half = packed.shape
-    blocks = packed.reshape(out // CPU_INT4_BLOCK, half * 2, CPU_INT4_BLOCK // 2)
+    blocks = packed.reshape(out // block, half * 2, block // 2)
     return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).transpose(1, 2).reshape(out, half * 2)
+
+
+def cpu_int4pack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[out, in]`` codes of a weight in torch's CPU int4 layout: blocks of B = cpu_int4pack_block() output
+    rows, in which byte ``k·B/2 + n`` holds input k of row n in its low nibble and of row n + B/2 in its high one."""
+    return _unblock(packed, cpu_int4pack_block())
 
 
 def cpu_int4pack_dequantize(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

@@ -149,12 +149,10 @@ class Cancel(Message):
 
 
 GATEWAY_HEARTBEAT_S = 1.0
-GATEWAY_SILENCE_S = 3.0  # three beats: a gateway silent this long is gone, and its requests with it
 
 
 class GatewayHeartbeat(Message):
-    """A gateway lives (every GATEWAY_HEARTBEAT_S): the executors drop the requests of one that restarted or went
-    silent."""
+    """A gateway lives (every GATEWAY_HEARTBEAT_S): the executors drop the earlier requests of one that restarted."""
     gateway: str
     incarnation: str  # new at every process start
 

@@ -1,8 +1,8 @@
-"""The gateways an executor runs requests for, by their heartbeats: one that restarted (a new incarnation) or went
-silent for GATEWAY_SILENCE_S is gone, and nobody will read its requests' tokens, so they are cancelled instead of
-holding batch slots and KV to their last token (shared/core/liveness.py has the rule)."""
+"""The gateways an executor runs requests for, by their heartbeats: one that restarted (a new incarnation) is gone,
+and nobody will read its earlier requests' tokens, so they are cancelled instead of holding batch slots and KV to
+their last token (shared/core/liveness.py keeps the incarnations). Silence alone cancels nothing: a stalled
+executor wakes to beats still unread in its socket, and a request must not die of its own executor's stall."""
 
-import asyncio
 import logging
 import time
 
@@ -10,7 +10,7 @@ from services.executor.worker import EngineWorker
 from shared import subjects
 from shared.bus import Bus, Incoming, unsubscribe
 from shared.core.liveness import Heartbeats
-from shared.messages import GATEWAY_HEARTBEAT_S, GATEWAY_SILENCE_S, GatewayHeartbeat
+from shared.messages import GatewayHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -18,18 +18,13 @@ log = logging.getLogger(__name__)
 class GatewayWatch:
     def __init__(self, worker: EngineWorker):
         self.worker = worker
-        self._heard = Heartbeats(GATEWAY_SILENCE_S)
+        self._heard = Heartbeats(silence_s=float("inf"))  # incarnations only (module docstring)
         self._sub = None
-        self._task: asyncio.Task | None = None
 
     async def start(self, bus: Bus) -> None:
         self._sub = await bus.subscribe(subjects.GATEWAYS, GatewayHeartbeat, self._on_beat)
-        self._task = asyncio.create_task(self._sweep(bus), name=f"{self.worker.executor}-gateways")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
         if self._sub is not None:
             await unsubscribe(self._sub)
 
@@ -39,11 +34,3 @@ class GatewayWatch:
         if self._heard.heard(beat.gateway, beat.incarnation, time.monotonic()) and known:
             log.info("executor %s: gateway %s restarted", self.worker.executor, beat.gateway)
             self.worker.drop_gateway(beat.gateway, admitted_before=time.time())
-
-    async def _sweep(self, bus: Bus) -> None:
-        while True:
-            await asyncio.sleep(GATEWAY_HEARTBEAT_S)
-            # While our bus is down the bus outage's own rule (--bus-outage) decides.
-            for gateway in self._heard.look(time.monotonic(), GATEWAY_HEARTBEAT_S, bus.connected):
-                log.info("executor %s: gateway %s silent for %g s", self.worker.executor, gateway, GATEWAY_SILENCE_S)
-                self.worker.drop_gateway(gateway)

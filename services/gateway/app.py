@@ -166,7 +166,7 @@ def _openapi_with_bodies(app: FastAPI):
 
 
 async def _heartbeat(bus: Bus, gateway: str) -> None:
-    """Say this gateway lives: the executors cancel the requests of one that restarted or fell silent."""
+    """Say this gateway lives: the executors cancel the earlier requests of one that restarted."""
     beat = GatewayHeartbeat(gateway=gateway, incarnation=uuid.uuid4().hex[:12])
     while True:
         try:

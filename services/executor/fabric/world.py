@@ -63,7 +63,6 @@ class Peer:
 class _Formed:
     pg: object
     incarnations: tuple[str, ...]
-    formed_s: float
 
 
 def new_incarnation() -> str:
@@ -80,7 +79,6 @@ class World:
         self._groups: dict[tuple[str, ...], _Formed] = {}
         # Groups of these members, in these incarnations, dropped so far: a restarted member starts them afresh.
         self._generation: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
-        self.formations: list[float] = []  # seconds each group took to form, in order
         for peer in peers:
             self.admit(peer)
 
@@ -175,8 +173,7 @@ class World:
             pg = _process_group(prefix, key.index(self.me.name), len(key), self.device, self.timeout_s)
         seconds = time.perf_counter() - start
         with self._lock:
-            self._groups[key] = _Formed(pg, incarnations, seconds)
-            self.formations.append(seconds)
+            self._groups[key] = _Formed(pg, incarnations)
         log.info("executor %s: formed the group of %s in %.3f s", self.me.name, list(key), seconds)
         return pg
 

@@ -5,7 +5,11 @@
 #
 # torch comes from PyTorch's own index before the project is installed, so that the CPU image does
 # not pull gigabytes of CUDA libraries from PyPI (torch==2.13.0 also matches the +cu128 builds).
-FROM python:3.11-slim
+# BASE_IMAGE is any image with Python 3.11 and pip on its PATH; one that has torch 2.13.0 already keeps
+# it (pip finds the requirement met and asks no index): what `make test-compose` builds where no image
+# registry is reachable (tests/compose/images.py).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 \

@@ -39,6 +39,16 @@ bench: install
 bench-engine: install-test
 	$(VENV)/bin/morphling bench-engine
 
+# `docker compose up` for real, outside `make test` (tests/compose; it builds images for minutes): Debian's
+# docker.io, docker-compose and debootstrap, a daemon started if none runs, a base image from Debian with the local
+# torch wheel, then the stack up, a chat completion, an executor container killed under streams, and down.
+.PHONY: test-compose
+test-compose: install-test
+	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null || \
+		apt-get install -y -q docker.io docker-compose debootstrap || \
+		(apt-get update -q && apt-get install -y -q docker.io docker-compose debootstrap)
+	MORPHLING_COMPOSE_TESTS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/compose
+
 # On an offline GPU machine (../shared/gpu.md): it has torch, triton and transformers but neither the engine's
 # pure-Python dependencies nor ../shared. `make gpu-bundle` here downloads those wheels into .whl/ and copies the
 # data the GPU tests read into .data/; send both along (the device tool's `carry`), then run there, with the

@@ -3,8 +3,7 @@
 Children run in process groups of their own and write to log files (a pipe nobody reads would block
 a child's logging). Whether and when a dead child comes back is `decide`, a pure function of that
 child's runs, so that the policy is tested with plain numbers and the process handling stays thin.
-A child may come back with other arguments than it first ran with (`Child.restart_cmd`): an executor
-that was a member of a torch.distributed world cannot rejoin it, so it restarts outside of it.
+A child comes back with the command line it first ran: a restarted executor meets its peers again over the bus.
 """
 
 import ctypes
@@ -136,7 +135,6 @@ class Child:
     cmd: list[str]
     env: dict[str, str] | None
     runs: list[tuple[float, float | None]]  # (started, exited) on the monotonic clock, one per process
-    restart_cmd: list[str] | None = None  # what its restarts run; None: the first run's cmd again
 
     @property
     def restarts(self) -> int:
@@ -165,8 +163,6 @@ class Cluster:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     children: list[Child] = field(default_factory=list)
     hurry: Flag = field(default_factory=Flag)  # a second signal: kill now
-    # By child name: the service arguments its restarts run with, where they differ from its first run's.
-    restart_args: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.log_dir = Path(self.log_dir)
@@ -188,31 +184,27 @@ class Cluster:
         (self.log_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
         return proc
 
-    def spawn(self, name: str, role: str, cmd: list[str], env: dict[str, str] | None = None,
-              restart_cmd: list[str] | None = None) -> Child:
+    def spawn(self, name: str, role: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
         child = Child(name, role, self._popen(name, cmd, env), self.log_dir / f"{name}.log", list(cmd), env,
-                      [(time.monotonic(), None)], None if restart_cmd is None else list(restart_cmd))
+                      [(time.monotonic(), None)])
         self.children.append(child)
         return child
 
     def respawn(self, child: Child, note: str) -> None:
-        """The restart command line (the first run's unless the child has its own), its output appended to
-        the same log after `note`."""
+        """The first run's command line again, its output appended to the same log after `note`."""
         with open(child.log_path, "a") as log:
             log.write(f"--- morphling up {time.strftime('%Y-%m-%d %H:%M:%S')}: {note} ---\n")
-        child.proc = self._popen(child.name, child.cmd if child.restart_cmd is None else child.restart_cmd, child.env)
+        child.proc = self._popen(child.name, child.cmd, child.env)
         child.runs.append((time.monotonic(), None))
 
     def start_service(self, role: str, args: list[str], name: str | None = None) -> Child:
-        """`morphling ROLE ARGS` as child `name`; it restarts with `restart_args[name]` where that is set."""
+        """`morphling ROLE ARGS` as child `name`."""
         name = name or role
         env = {k: v for k, v in os.environ.items() if k not in WORLD_ENV}
         # Unbuffered, so that a crashing child's last lines are in its log, not lost in a buffer.
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        command = [sys.executable, "-m", "services.cli", role]
-        restart = self.restart_args.get(name)
-        return self.spawn(name, role, [*command, *args], env, None if restart is None else [*command, *restart])
+        return self.spawn(name, role, [sys.executable, "-m", "services.cli", role, *args], env)
 
     def start_nats(self, timeout_s: float = 10.0, port: int | None = None, monitor_port: int | None = None) -> str:
         """An embedded nats-server with JetStream on loopback: on `port`, else NATS's own port 4222 when it is

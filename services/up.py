@@ -290,8 +290,8 @@ def join_args(args: argparse.Namespace, index: int) -> list[str]:
 
 def world_args(args: argparse.Namespace, index: int) -> list[str]:
     """What puts executor `index` into the executors' world and its instance."""
-    if args.executors == 1:
-        return []
+    if args.executors == 1:  # no world to plan for; a peer all the same, so that executors `scale` adds can merge
+        return join_args(args, index)
     out = ["--rank", str(index), "--world-size", str(args.executors)]
     if args.tp is not None:
         out += ["--tp", str(args.tp)]

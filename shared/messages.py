@@ -157,6 +157,11 @@ class GatewayHeartbeat(Message):
     incarnation: str  # new at every process start
 
 
+class GatewayGone(Message):
+    """The monitor has not heard `gateway` beat for its dead_after: the executors drop the requests it sent."""
+    gateway: str
+
+
 # --- the executors' fabric ------------------------------------------------------------------------
 class ScaleRequest(Message):
     """`morphling scale`: have this many executors (`morphling up` adds them, or drains and removes the newest)."""

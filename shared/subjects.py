@@ -6,6 +6,7 @@ STATE = f"{PREFIX}.state"  # monitor -> gateway, controller: ClusterState
 EVENTS = f"{PREFIX}.events"  # anyone -> anyone: Event
 TELEMETRY_ALL = f"{PREFIX}.telemetry.*"
 GATEWAYS = f"{PREFIX}.gateways"  # gateway -> executors, every GATEWAY_HEARTBEAT_S: GatewayHeartbeat
+GATEWAYS_GONE = f"{PREFIX}.gateways.gone"  # monitor -> executors: GatewayGone
 SCALE = f"{PREFIX}.scale"  # `morphling scale` -> `morphling up`, request/reply: ScaleRequest -> ScaleReply
 PEERS = f"{PREFIX}.peers"  # executor -> executors of a fabric, every PEER_HEARTBEAT_S: PeerAnnouncement
 

@@ -97,7 +97,8 @@ class System:
         self.nats.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        for name in ["gateway", *[n for n in self.procs if n.startswith("exec")], "controller", "monitor"]:
+        gateways, executors = ([n for n in self.procs if n.startswith(role)] for role in ("gateway", "exec"))
+        for name in [*gateways, *executors, "controller", "monitor"]:
             proc = self.procs.get(name)
             if proc and proc.poll() is None:
                 proc.terminate()

@@ -31,7 +31,8 @@ and sending the states took): whether it keeps up with its executors is then rea
 An executor that falls silent is probed with a ping on its command subject: a process that is gone
 has no subscription left, so the server answers "no responders" at once and the executor is dead
 now, its streams free to move elsewhere; a stalled one still holds its subscriptions, the ping just
-goes unanswered, and it stays merely suspect until dead_after_s.
+goes unanswered, and it stays merely suspect until dead_after_s. A gateway silent as long is gone too
+(gateways.py).
 """
 
 import argparse
@@ -42,6 +43,7 @@ import itertools
 import time
 import uuid
 
+from services.monitor.gateways import GatewayJudge
 from shared import subjects
 from shared.bus import BadMessage, Bus, BusError, NoResponders, StreamError, stop_on_signals, unsubscribe, validate
 from shared.config import EventStreamConfig, MonitorConfig, parse_size, seconds
@@ -233,12 +235,14 @@ async def _run_until_signalled(config: MonitorConfig) -> None:
     if bus is None:
         log.info("monitor: stopped before the bus connected")
         return
-    service = MonitorService(config)
+    service, gateways = MonitorService(config), GatewayJudge(config.dead_after_s)
     await service.start(bus)
+    await gateways.start(bus)
     log.info("monitor: publishing the cluster state every %.2f s on %s", config.publish_interval_s,
              config.nats_url)
     await stop.wait()
     log.info("monitor: stopping")
+    await gateways.stop()
     await service.stop()
     await bus.close()
 

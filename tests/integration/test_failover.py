@@ -1,7 +1,8 @@
-"""Executors that die or stall under in-flight streams, with real processes and the default model.
+"""Executors and gateways that die or stall under in-flight streams, with real processes and the default model.
 
 A SIGKILLed executor's streams go on on another executor, token for token what an undisturbed run
-gives; a SIGSTOPped one is only suspect for the seconds it is stopped, and its streams finish on it.
+gives; a SIGSTOPped one is only suspect for the seconds it is stopped, and its streams finish on it. A
+gateway killed for good has its requests cancelled on the executor.
 """
 
 import signal
@@ -12,68 +13,9 @@ import httpx
 import openai
 import pytest
 
+from tests.nats_server import free_port
+from tests.streams import MODEL, PROMPTS, Streams, busiest
 from tests.system import System
-
-MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = ["Name three rivers of Europe.", "Write a haiku about the sea.", "What is a prime number?",
-           "Describe a cat in two sentences."]
-
-
-class Streams:
-    """Greedy chat streams read in threads: what each client received, chunk by chunk."""
-
-    def __init__(self, url: str, max_tokens: int):
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        self.max_tokens = max_tokens
-        self.chunks: list[list[str]] = [[] for _ in PROMPTS]
-        self.usage: list[int | None] = [None] * len(PROMPTS)
-        self.errors: list[Exception] = []
-        self.threads = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(len(PROMPTS))]
-
-    def start(self) -> "Streams":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def _read(self, i: int) -> None:
-        try:
-            stream = self.client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=self.max_tokens,
-                temperature=0, stream=True, stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    self.chunks[i].append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    self.usage[i] = chunk.usage.completion_tokens
-        except Exception as exc:  # the assertion below names it
-            self.errors.append(exc)
-
-    def wait_for_tokens(self, at_least: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while min(len(c) for c in self.chunks) < at_least:
-            assert time.monotonic() < deadline and not self.errors, f"streams stalled: {self.errors}"
-            time.sleep(0.05)
-
-    def join(self, timeout: float = 180) -> list[str]:
-        for t in self.threads:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in self.threads), "a stream never ended"
-        assert not self.errors, f"a client saw an error: {self.errors}"
-        return ["".join(c) for c in self.chunks]
-
-
-def running_on(system: System) -> dict[str, int]:
-    return {e["id"]: e["running"] for e in system.cluster()["executors"]}
-
-
-def busiest(system: System, timeout: float = 30) -> str:
-    """The executor running the most streams, read from a cluster state that shows them running: a state
-    published before they were admitted shows none, and the executor it names may hold none."""
-    deadline = time.monotonic() + timeout
-    while max((running := running_on(system)).values(), default=0) == 0:
-        assert time.monotonic() < deadline, f"no stream ever showed running: {running}"
-        time.sleep(0.05)
-    return max(running.items(), key=lambda kv: kv[1])[0]
 
 
 def test_streams_of_a_killed_executor_finish_on_the_other_token_for_token(tmp_path):
@@ -133,5 +75,56 @@ def test_a_killed_executor_with_no_other_ends_its_streams_with_an_error(tmp_path
                 pass
         # Found gone by the monitor's probe (~suspect_after), then the failover bound, then slack.
         assert time.monotonic() - started < 15
+    finally:
+        system.stop()
+
+
+def test_the_requests_of_a_gateway_killed_for_good_stop_running_on_the_executor(tmp_path):
+    """Two gateways, as behind a load balancer; one SIGKILLed under four long streams, and nothing restarts it: the
+    monitor finds it silent for dead_after (6 s) and says it is gone, and the executor cancels its requests instead
+    of running them for nobody to their last token (about 200 s here). The other gateway serves on."""
+    system = System(tmp_path).start()
+    try:
+        other = f"http://127.0.0.1:{free_port()}"
+        system.spawn("gateway-b", "gateway", "--nats", system.nats.url, "--host", "127.0.0.1",
+                     "--port", other.rsplit(":", 1)[1], "--id", "gw-b")
+
+        def running() -> int:
+            return httpx.get(f"{other}/v1/cluster", timeout=5).json()["executors"][0]["running"]
+
+        def long_stream() -> None:
+            client = openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=300)
+            try:
+                for _ in client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=1500,
+                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    pass
+            except openai.APIError:  # its gateway is killed
+                pass
+
+        streams = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if running() == 4:
+                    break
+            except httpx.HTTPError:  # gw-b still starting
+                pass
+            assert time.monotonic() < deadline, f"the four streams never ran together:\n{system.log('exec0')}"
+            time.sleep(0.3)
+        system.kill("gateway")
+        killed = time.monotonic()
+        while running():
+            assert time.monotonic() - killed < 30, f"the dead gateway's requests still run:\n{system.log('exec0')}"
+            time.sleep(0.3)
+        print(f"the dead gateway's requests cancelled {time.monotonic() - killed:.1f} s after the kill")
+        assert "gateway gw0 is gone: cancelling its 4 requests" in system.log("exec0")
+        assert "gateway gw0 is silent for 6 s: gone" in system.log("monitor")
+        client = openai.OpenAI(base_url=f"{other}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                               max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content
     finally:
         system.stop()

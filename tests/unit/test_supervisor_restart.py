@@ -1,7 +1,6 @@
-"""A child whose restarts run another command line than its first run (an executor that was a member of a
-torch.distributed world, which it cannot rejoin), with real processes."""
+"""What a restarted child runs, with real processes: its first command line again, in an environment without
+the world `up` itself may have inherited."""
 
-import signal
 import sys
 import time
 
@@ -23,29 +22,10 @@ def started_lines(cluster: Cluster, name: str) -> list[str]:
     return [line for line in (cluster.log_dir / f"{name}.log").read_text().splitlines() if line.startswith("args")]
 
 
-def test_every_restart_runs_the_restart_command_and_the_first_command_stays_on_record(tmp_path):
-    cluster = Cluster(tmp_path, policy=RestartPolicy(first_delay_s=0.05, max_delay_s=0.1))
-    first = [sys.executable, "-c", ECHO, "--id", "exec1", "--rank", "1", "--world-size", "2"]
-    child = cluster.spawn("exec1", "executor", first, restart_cmd=[sys.executable, "-c", ECHO, "--id", "exec1"])
-    try:
-        for restarts in (1, 2):
-            supervise_until(cluster, lambda: len(started_lines(cluster, "exec1")) == restarts)
-            child.proc.send_signal(signal.SIGKILL)
-            child.proc.wait(timeout=20)
-            supervise_until(cluster, lambda: child.restarts == restarts)
-        supervise_until(cluster, lambda: len(started_lines(cluster, "exec1")) == 3)
-        assert started_lines(cluster, "exec1") == ["args --id exec1 --rank 1 --world-size 2", "args --id exec1",
-                                                   "args --id exec1"]
-        assert child.cmd == first
-    finally:
-        cluster.stop()
-
-
-def test_without_a_restart_command_the_first_one_runs_again(tmp_path):
+def test_a_restart_runs_the_first_command_line_again(tmp_path):
     cluster = Cluster(tmp_path, policy=RestartPolicy(first_delay_s=0.05))
     child = cluster.spawn("monitor", "monitor", [sys.executable, "-c", ECHO, "--same"])
     try:
-        assert child.restart_cmd is None
         supervise_until(cluster, lambda: len(started_lines(cluster, "monitor")) == 1)
         child.proc.kill()
         child.proc.wait(timeout=20)
@@ -62,20 +42,18 @@ class FakeProc:
         return None
 
 
-def test_start_service_gives_registered_restart_arguments_and_no_inherited_world(tmp_path, monkeypatch):
+def test_start_service_passes_on_no_inherited_world(tmp_path, monkeypatch):
     for name in WORLD_ENV:
         monkeypatch.setenv(name, "2")
     monkeypatch.setenv("MORPHLING_API_KEYS", "k")
     popened = []
     monkeypatch.setattr(Cluster, "_popen", lambda self, name, cmd, env: popened.append((name, cmd, env)) or FakeProc())
     cluster = Cluster(tmp_path)
-    cluster.restart_args["exec0"] = ["--id", "exec0"]
     member = cluster.start_service("executor", ["--id", "exec0", "--rank", "0"], name="exec0")
     gateway = cluster.start_service("gateway", ["--port", "1"])
     prefix = [sys.executable, "-m", "services.cli", "executor"]
     assert member.cmd == [*prefix, "--id", "exec0", "--rank", "0"]
-    assert member.restart_cmd == [*prefix, "--id", "exec0"]
-    assert gateway.name == "gateway" and gateway.restart_cmd is None
+    assert gateway.name == "gateway" and gateway.cmd == [*prefix[:-1], "gateway", "--port", "1"]
     for _, _, env in popened:
         assert not set(WORLD_ENV) & set(env)
         assert env["MORPHLING_API_KEYS"] == "k" and env["PYTHONUNBUFFERED"] == "1"

@@ -33,11 +33,11 @@ def tp2_pair(members: list[str], layers: int = 2) -> dict:
 
 
 def spawned(monkeypatch, argv: list[str]) -> dict[str, dict]:
-    """What `morphling up ARGV` would spawn, by child name: its command, restart command and environment."""
+    """What `morphling up ARGV` would spawn, by child name: its command and environment."""
     children: dict[str, dict] = {}
 
-    def spawn(self, name, role, cmd, env=None, restart_cmd=None):
-        children[name] = {"role": role, "cmd": cmd, "restart_cmd": restart_cmd, "env": env}
+    def spawn(self, name, role, cmd, env=None):
+        children[name] = {"role": role, "cmd": cmd, "env": env}
 
     monkeypatch.setattr(Cluster, "spawn", spawn)
     monkeypatch.setattr(up, "_wait_and_serve", lambda *a: 0)
@@ -132,10 +132,10 @@ def test_the_command_line_refuses_a_bad_plan_at_once(tmp_path):
 
 # --- the arguments each executor gets -----------------------------------------------------------------
 
-def test_one_executor_gets_nothing_new(monkeypatch):
+def test_one_executor_is_only_a_peer(monkeypatch):
     monkeypatch.setattr(up, "cpu_cores", lambda: 16)
     args = parse_args(["--tp", "1", "--dist-timeout", "5"])
-    assert world_args(args, 0) == []
+    assert world_args(args, 0) == ["--join", "--rank", "0", "--dist-timeout", "5"]
     assert executor_args(args, NATS, 0) == ["--nats", NATS, "--id", "exec0", "--model", "default", "--device", "cpu",
                                             "--static-bits", "16", "--swap-order", "auto"]
 
@@ -216,7 +216,7 @@ def test_a_plan_needs_a_world(tmp_path):
 
 # --- what up starts, and what it restarts ---------------------------------------------------------------
 
-def test_up_starts_the_world_and_restarts_members_with_the_same_flags(tmp_path, monkeypatch):
+def test_up_starts_the_world_with_each_members_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(up, "cpu_cores", lambda: 8)
     children = spawned(monkeypatch, ["--log-dir", str(tmp_path), "--executors", "2", "--tp", "2",
                                      "--dist-timeout", "7"])
@@ -225,19 +225,15 @@ def test_up_starts_the_world_and_restarts_members_with_the_same_flags(tmp_path, 
             for a in first] == [("0", "2", "2", "7"), ("1", "2", "2", "7")]
     for i in range(2):
         child = children[f"exec{i}"]
-        # A restarted member meets its peers again (it then serves alone: plans.start_plan).
-        assert child["restart_cmd"] is None
         assert (flag(child["cmd"], "--id"), flag(child["cmd"], "--threads")) == (f"exec{i}", "4")
         assert service_args(child["cmd"]) == executor_args(parse_args(["--executors", "2"]), NATS, i) + world_args(
             parse_args(["--executors", "2", "--tp", "2", "--dist-timeout", "7"]), i)
-    for name in ("monitor", "controller", "gateway"):
-        assert children[name]["restart_cmd"] is None
 
 
-def test_a_lone_executor_restarts_as_it_started(tmp_path, monkeypatch):
-    children = spawned(monkeypatch, ["--log-dir", str(tmp_path)])
-    assert children["exec0"]["restart_cmd"] is None
-    assert WORLD_FLAGS.isdisjoint(children["exec0"]["cmd"]) and "--threads" not in children["exec0"]["cmd"]
+def test_a_lone_executor_is_a_peer_of_the_world_that_scale_grows(tmp_path, monkeypatch):
+    cmd = spawned(monkeypatch, ["--log-dir", str(tmp_path)])["exec0"]["cmd"]
+    assert (flag(cmd, "--rank"), "--join" in cmd) == ("0", True)
+    assert "--world-size" not in cmd and "--threads" not in cmd
 
 
 def test_a_world_in_ups_own_environment_does_not_reach_the_children(tmp_path, monkeypatch):

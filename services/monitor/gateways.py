@@ -49,5 +49,5 @@ class GatewayJudge:
                     await bus.publish(subjects.GATEWAYS_GONE, GatewayGone(gateway=gateway))
                     await bus.publish(subjects.EVENTS, Event(kind="gateway_down", source="monitor", time=time.time(),
                                                              data={"gateway": gateway}))
-                except BusError:  # mid-reconnect: the judging goes on, and a later beat makes it news again
-                    log.exception("saying gateway %s is gone failed", gateway)
+                except BusError as exc:  # mid-reconnect: the judging goes on, and a later beat makes it news again
+                    log.warning("saying gateway %s is gone failed: %s", gateway, exc)

@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default %(default)g)")
     parser.add_argument("--dead-after", type=float, default=defaults.dead_after_s,
                         help="seconds without telemetry before an executor's requests are given up, unless its "
-                             "process is found gone sooner (default %(default)g)")
+                             "process is found gone sooner; and without a heartbeat before a gateway's requests are "
+                             "cancelled (default %(default)g)")
     parser.add_argument("--half-life", type=float, default=defaults.ewma_half_life_s,
                         help="EWMA half-life in seconds of KV usage, queueing delay and waiting")
     parser.add_argument("--events-max-age-days", type=float, default=defaults.events.max_age_s / 86400,

@@ -1,7 +1,7 @@
 """Who still lives, by their heartbeats: the rule an executor keeps its peers by (executor/peers.py) and the
-gateways whose requests it runs by (executor/gateways.py). A name is gone when it restarts (a new incarnation)
-or falls silent for `silence_s`; one never heard from is never called gone, so a sender that does not beat
-(a test harness, a tool on the bus) loses nothing."""
+gateways whose requests it runs by (executor/gateways.py), and the monitor the gateways (monitor/gateways.py). A
+name is gone when it restarts (a new incarnation) or falls silent for `silence_s`; one never heard from is never
+called gone, so a sender that does not beat (a test harness, a tool on the bus) loses nothing."""
 
 from dataclasses import dataclass, field
 

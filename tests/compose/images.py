@@ -103,7 +103,7 @@ def nats_image(wanted: str, base: str) -> str:
 
 
 def morphling_image(base: str) -> str:
-    say(f"docker build on {base} (first time on vfs: about 9 minutes)")
+    say(f"docker build on {base} (the first time on vfs: about 11 minutes)")
     started = time.monotonic()
     docker("build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}", "-t", MORPHLING, str(REPO),
            stdout=subprocess.DEVNULL)

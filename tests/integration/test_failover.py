@@ -88,6 +88,15 @@ def test_the_requests_of_a_gateway_killed_for_good_stop_running_on_the_executor(
         other = f"http://127.0.0.1:{free_port()}"
         system.spawn("gateway-b", "gateway", "--nats", system.nats.url, "--host", "127.0.0.1",
                      "--port", other.rsplit(":", 1)[1], "--id", "gw-b")
+        deadline = time.monotonic() + 60
+        while True:  # ready: it has a cluster state with the executor in it
+            try:
+                if httpx.get(f"{other}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:  # not listening yet
+                pass
+            assert time.monotonic() < deadline, f"gw-b never got ready:\n{system.log('gateway-b')}"
+            time.sleep(0.2)
 
         def running() -> int:
             return httpx.get(f"{other}/v1/cluster", timeout=5).json()["executors"][0]["running"]
@@ -106,12 +115,7 @@ def test_the_requests_of_a_gateway_killed_for_good_stop_running_on_the_executor(
         for t in streams:
             t.start()
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if running() == 4:
-                    break
-            except httpx.HTTPError:  # gw-b still starting
-                pass
+        while running() < 4:
             assert time.monotonic() < deadline, f"the four streams never ran together:\n{system.log('exec0')}"
             time.sleep(0.3)
         system.kill("gateway")

@@ -76,3 +76,21 @@ def busiest(system: Served, timeout: float = 30) -> str:
         assert time.monotonic() < deadline, f"no stream ever showed running: {running}"
         time.sleep(0.05)
     return max(running.items(), key=lambda kv: kv[1])[0]
+
+
+def streams_cut_short(url: str, messages: list[dict], timeout: float, count: int = 4) -> list[threading.Thread]:
+    """`count` long greedy chats (1,500 tokens, ignore_eos) started in threads, for a test that kills the gateway
+    they stream from: each ends quietly when it goes."""
+    def read() -> None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+        try:
+            for _ in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1500, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True}):
+                pass
+        except openai.APIError:  # the gateway it streamed from is killed
+            pass
+
+    threads = [threading.Thread(target=read, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    return threads

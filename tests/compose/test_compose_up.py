@@ -26,10 +26,10 @@ PROJECT = "morphling-compose-test"
 MORPHLING_SERVICES = ("gateway", "monitor", "controller", "executor-0")
 
 
-def derived_compose(nats_image: str, port: int) -> dict:
-    """docker-compose.yml as a CPU host without a registry runs it: local images, no GPU reservation, a second
-    executor, the gateway on a free port of loopback."""
-    spec = yaml.safe_load((images.REPO / "docker-compose.yml").read_text())  # anchors and merges resolved
+def derived_compose(spec: dict, nats_image: str, port: int) -> dict:
+    """docker-compose.yml (`spec`, as PyYAML reads it: anchors and merges resolved) as a CPU host without a registry
+    runs it: local images, no GPU reservation, a second executor, the gateway on a free port of loopback."""
+    spec = copy.deepcopy(spec)
     # Compose v1 (what Debian packages) knows neither key: -p names the project, and the anchor is merged in.
     del spec["name"], spec["x-morphling"]
     services = spec["services"]
@@ -96,14 +96,14 @@ class ComposeSystem:
 def stack(tmp_path_factory):
     images.ensure_daemon()
     base = images.base_image()
-    nats_image = images.nats_image(yaml.safe_load((images.REPO / "docker-compose.yml").read_text())
-                                   ["services"]["nats"]["image"], base)
+    spec = yaml.safe_load((images.REPO / "docker-compose.yml").read_text())
+    nats_image = images.nats_image(spec["services"]["nats"]["image"], base)
     images.morphling_image(base)
     workdir = tmp_path_factory.mktemp("compose")
     (workdir / "models").mkdir()
     file = workdir / "docker-compose.yml"
     port = free_port()
-    file.write_text(yaml.safe_dump(derived_compose(nats_image, port), sort_keys=False))
+    file.write_text(yaml.safe_dump(derived_compose(spec, nats_image, port), sort_keys=False))
     system = ComposeSystem(file, port, workdir / "models")
     system.compose("down", "-v", "--remove-orphans", capture_output=True)  # what a failed run left
     started = time.monotonic()

@@ -6,7 +6,6 @@ gateway killed for good has its requests cancelled on the executor.
 """
 
 import signal
-import threading
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import openai
 import pytest
 
 from tests.nats_server import free_port
-from tests.streams import MODEL, PROMPTS, Streams, busiest
+from tests.streams import MODEL, PROMPTS, Streams, busiest, streams_cut_short
 from tests.system import System
 
 
@@ -101,19 +100,7 @@ def test_the_requests_of_a_gateway_killed_for_good_stop_running_on_the_executor(
         def running() -> int:
             return httpx.get(f"{other}/v1/cluster", timeout=5).json()["executors"][0]["running"]
 
-        def long_stream() -> None:
-            client = openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=300)
-            try:
-                for _ in client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=1500,
-                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                    pass
-            except openai.APIError:  # its gateway is killed
-                pass
-
-        streams = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
-        for t in streams:
-            t.start()
+        streams_cut_short(system.url, [{"role": "user", "content": PROMPTS[0]}], timeout=300)
         deadline = time.monotonic() + 60
         while running() < 4:
             assert time.monotonic() < deadline, f"the four streams never ran together:\n{system.log('exec0')}"

@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 
+from tests.streams import streams_cut_short
 from tests.up_process import UpProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -153,18 +154,7 @@ def test_a_killed_gateways_requests_stop_running_on_the_executor(up):
         return next(e["running"] for e in httpx.get(f"{up.url}/v1/cluster", timeout=5).json()["executors"]
                     if e["id"] == "exec0")
 
-    def long_stream() -> None:
-        try:
-            for _ in client(up.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1500,
-                                                            temperature=0, stream=True,
-                                                            extra_body={"ignore_eos": True}):
-                pass
-        except openai.APIError:  # the gateway it streamed from is killed
-            pass
-
-    streams = [threading.Thread(target=long_stream, daemon=True) for _ in range(4)]
-    for t in streams:
-        t.start()
+    streams = streams_cut_short(up.url, MESSAGES, timeout=60)
     deadline = time.monotonic() + 60
     while running() < 4:
         assert time.monotonic() < deadline, f"the four streams never ran together:\n{up.logs()}"

@@ -261,7 +261,8 @@ def morph_main(argv: list[str]) -> int:
                              "order; restore: the last quantized first); replicate, migrate, evict: the range "
                              "A B of decoder layers, both included")
     parser.add_argument("--bits", type=int, choices=(4, 8), help="quantize: target bits (required)")
-    parser.add_argument("--to", metavar="EXECUTOR", help="replicate, migrate: the member that gets the layers")
+    parser.add_argument("--to", metavar="EXECUTOR", help="replicate, migrate: the member that gets the layers, or an "
+                        "executor serving alone, which joins the instance for them")
     parser.add_argument("--from", dest="source", metavar="EXECUTOR",
                         help="migrate, evict: the member that gives the layers up")
     parser.add_argument("--max-num-seqs", type=int, help="batch: the sequences the instance runs at once")

@@ -437,9 +437,18 @@ class TpSplitArgs(CommandArgs):
     instance: str
 
 
+class JoinArgs(CommandArgs):
+    """CoCoServe onto an executor serving alone: join the TP1 instance `instance` that `leader` leads, holding no
+    layer until the replicate or migrate its leader got beside this brings some (sent to the newcomer; it
+    hands its requests to the leader and leaves once it holds no layer)."""
+    kind: ClassVar[str] = "join"
+    instance: str = Field(min_length=1)
+    leader: str = Field(min_length=1)
+
+
 COMMAND_ARGS: dict[str, type[CommandArgs]] = {a.kind: a for a in (PingArgs, DrainArgs, QuantizeArgs, RestoreArgs,
                                                                    ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs,
-                                                                   TpMergeArgs, TpSplitArgs)}
+                                                                   TpMergeArgs, TpSplitArgs, JoinArgs)}
 
 
 class Command(Message):

@@ -13,8 +13,8 @@ from shared.core.errors import EngineError
 from shared.core.roles import Role, refusal, role_of
 from shared.core.tp_scheduler import MAX_TP, world_allows
 from shared.errors import InvalidCommandError
-from shared.messages import (BatchArgs, Command, CommandResult, DrainArgs, EvictArgs, MigrateArgs, PingArgs,
-                             QuantizeArgs, ReplicateArgs, RestoreArgs, TpMergeArgs, TpSplitArgs)
+from shared.messages import (BatchArgs, Command, CommandResult, DrainArgs, EvictArgs, InstancePlan, JoinArgs,
+                             MigrateArgs, PingArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, TpMergeArgs, TpSplitArgs)
 
 if TYPE_CHECKING:  # annotations only
     from services.executor.engine.engine import LLMEngine
@@ -91,6 +91,16 @@ class Commands:
             elif isinstance(args, TpSplitArgs):
                 self._check_instance(args.instance)
                 result.state = await in_engine_thread(worker.tp.split)
+            elif isinstance(args, JoinArgs):
+                self._check_join(args)
+                result.state = await in_engine_thread(lambda: worker.tp.join(service.world, args.leader,
+                                                                             args.instance))
+            elif isinstance(args, (ReplicateArgs, MigrateArgs)) and service.plan is not None \
+                    and args.to not in service.plan.members:  # onto an executor serving alone: it joins
+                self._check_instance(args.instance)
+                self._check_join(args)
+                result.state = await in_engine_thread(
+                    lambda: self._after(worker.tp.recruit(service.world, args.to, args, service.plan)))
             elif isinstance(args, (ReplicateArgs, MigrateArgs, EvictArgs, BatchArgs)):
                 self._check_instance(args.instance)
                 result.state = await in_engine_thread(lambda: self._reshape(args))
@@ -135,6 +145,17 @@ class Commands:
                                       f"({world.names}): any two can, four only as consecutive ranks "
                                       f"from a multiple of four", "args.executors")
 
+    def _check_join(self, args: JoinArgs | ReplicateArgs | MigrateArgs) -> None:
+        """Before a join's first collective (the gateway checks the same against the cluster state first): both
+        ends must be peers of one world."""
+        me, world = self.service.id, self.service.world
+        other = args.leader if isinstance(args, JoinArgs) else args.to
+        if world is None or world.peer(other) is None:
+            raise InvalidCommandError(f"{other} is not a peer of {me}'s world of executors: it cannot join an "
+                                      f"instance with {me}", "args.leader" if isinstance(args, JoinArgs) else "args.to")
+        if self.service.draining:
+            raise InvalidCommandError(f"{me} is draining", "kind")
+
     def _check_instance(self, instance: str) -> None:
         if instance != self.service.instance_id:
             raise InvalidCommandError(f"{self.service.id} leads instance {self.service.instance_id!r}, not "
@@ -147,4 +168,10 @@ class Commands:
         if isinstance(args, BatchArgs):
             before = engine.scheduler.cap_batch(args.max_num_seqs)
             return {"max_num_seqs": args.max_num_seqs, "max_num_seqs_before": before}
-        return engine.reshape(args)
+        return self._after(self.service.worker.tp.reshape(args))
+
+    def _after(self, report: dict) -> dict:
+        """A leader that serves alone again after its reshape (its last newcomer left) serves the plan it reports."""
+        if self.service.engine.member is None and "plan" in report:
+            self.service.alone_plan = InstancePlan.model_validate(report["plan"])
+        return report

@@ -130,7 +130,7 @@ class ExecutorService:
         self.engine = engine
         self.id = config.executor_id
         self.instance = uuid.uuid4().hex  # tells the monitor a restart from a stall
-        self._plan = plan
+        self.alone_plan = plan  # what it serves while its engine leads no instance of several
         self.world = world
         self.broken = asyncio.Event()  # set once the instance it leads loses a member
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -280,11 +280,12 @@ class ExecutorService:
         """The plan it serves now: its instance's, which operations change, else the one it was given."""
         if self.worker.tp.following is not None:
             return self.worker.tp.following.plan
-        return self.engine.member.plan if self.engine.member is not None else self._plan
+        return self.engine.member.plan if self.engine.member is not None else self.alone_plan
 
     @property
     def instance_id(self) -> str:
-        return self.engine.member.plan.id if self.engine.member is not None else alone_id(self.id)
+        plan = self.plan
+        return plan.id if plan is not None else alone_id(self.id)
 
     # --- sending ------------------------------------------------------------------------------
     async def _publish(self, subject: str, message) -> None:

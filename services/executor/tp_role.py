@@ -1,9 +1,11 @@
-"""What AMOEBAs' merges and splits make of one executor, as its engine thread takes part in them between two steps
-(fabric/transform.py): the merged instance it follows, if any, how long the one it leads is held merged, and its
-KV head units at each TP degree its world can form (what the controller weighs a merge by).
+"""What instances formed at run time make of one executor, as its engine thread takes part in them between two
+steps: AMOEBAs' merges and splits (fabric/transform.py), and CoCoServe's joins and parts of a TP1 instance for
+replicas (fabric/enlist.py). It keeps the instance it follows, if any, how long the one it leads is held merged,
+and its KV head units at each TP degree its world can form (what the controller weighs a merge by).
 
-The leader of a merged instance keeps its requests' records and takes the followers'; a follower's go with its
-sequences to the leader, and it follows until the SPLIT step, whose sequences come back to their executors.
+The leader keeps its requests' records and takes those of the executors that come in; theirs go with their
+sequences to the leader. A follower of a merge follows until the SPLIT step, whose sequences come back to their
+executors; a newcomer of a join until the PART step that leaves it out, and then serves alone again.
 """
 
 import logging
@@ -13,14 +15,16 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
 
+from services.executor.fabric import enlist, transform
 from services.executor.fabric import step as wire
-from services.executor.fabric import transform
 from services.executor.fabric.kv_heads import KvPlanError
 from services.executor.fabric.member import InstanceMember
 from services.executor.fabric.merge import kv_units
 from services.executor.fabric.world import World
 from services.executor.records import RequestRecords
+from shared.core.errors import ReshapeRefused
 from shared.errors import InvalidCommandError
+from shared.messages import InstancePlan, MigrateArgs, ReplicateArgs
 
 if TYPE_CHECKING:  # annotations only
     from services.executor.engine.engine import LLMEngine
@@ -42,9 +46,7 @@ class TpRole:
         if self.engine.member is not None or self.following is not None:  # merged since the service checked
             raise InvalidCommandError(f"{self.executor} is in an instance already: only executors serving alone "
                                       f"merge", "kind")
-        # The leader keeps its records; trace contexts do not pickle, so those sent go without theirs.
-        carry = [] if members[0] == self.executor else \
-            [replace(t, trace_context=Context()) for t in self.records.tracked.values()]
+        carry = [] if members[0] == self.executor else self._carry()
         member = transform.merge(self.engine, world, members, self.executor, instance_id, carry)
         if member.is_leader:
             self.hold_until = time.monotonic() + hold_s
@@ -61,10 +63,46 @@ class TpRole:
                                  lambda ids: [replace(self.records.tracked[i], trace_context=Context()) for i in ids])
         return self._after_split(result)
 
+    def join(self, world: World, leader: str, instance_id: str) -> dict:
+        """Join the TP1 instance `leader` leads, for the replicas its replicate or migrate brings here."""
+        if self.engine.member is not None or self.following is not None:
+            raise InvalidCommandError(f"{self.executor} is in an instance already: only an executor serving alone "
+                                      f"joins another's", "kind")
+        member = enlist.join(self.engine, world, self.executor, leader, instance_id, self._carry())
+        self.records.hand_over(list(self.records.tracked), leader)
+        self.following = member
+        return {"plan": member.plan.model_dump(), "blocks": member.num_blocks}
+
+    def recruit(self, world: World, newcomer: str, op: ReplicateArgs | MigrateArgs, plan: InstancePlan) -> dict:
+        """The leader's: `newcomer` joins the TP1 instance it leads (`plan`), and `op` brings it layers; one that
+        holds none afterwards (a refused `op`) leaves again at once."""
+        carried, joined = enlist.lead_join(self.engine, world, plan, newcomer)
+        self.records.tracked.update((t.request_id, t) for t in carried)
+        try:
+            return {**self.reshape(op), **joined}
+        except ReshapeRefused:
+            enlist.lead_part(self.engine, self.engine.member)
+            raise
+
+    def reshape(self, op) -> dict:
+        """The engine's reshape of the instance it leads; members left with no layer leave it (enlist.lead_part),
+        and "plan" is what it serves afterwards."""
+        report = self.engine.reshape(op)
+        if self.engine.member is None:
+            return report
+        left, plan = enlist.lead_part(self.engine, self.engine.member)
+        return {**report, "left": left, "plan": plan.model_dump()} if left else report
+
     def follow(self) -> None:
-        """One turn of following the merged instance's leader (InstanceMember.follow_one), a SPLIT carried out."""
+        """One turn of following the instance's leader (InstanceMember.follow_one), a SPLIT or a PART that leaves
+        us out carried out."""
         member = self.following
-        if member.follow_one() != wire.SPLIT:
+        kind = member.follow_one()
+        if kind == wire.PART and self.executor not in member.plan.members:
+            enlist.leave(self.engine, member)
+            self.following = None
+            return
+        if kind != wire.SPLIT:
             return
         try:
             result = transform.split(self.engine, member)
@@ -73,6 +111,11 @@ class TpRole:
             return
         self.following = None
         self._after_split(result)
+
+    def _carry(self) -> list:
+        """Our requests' records, to go with our sequences to a leader: trace contexts do not pickle, so without
+        theirs."""
+        return [replace(t, trace_context=Context()) for t in self.records.tracked.values()]
 
     def _after_split(self, result: dict) -> dict:
         self.records.tracked.update((t.request_id, t) for t in result.pop("carried") or [])

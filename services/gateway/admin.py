@@ -12,8 +12,10 @@ Two kinds of body share the endpoint, told apart by `action`:
   executor or on every live one (`"*"`);
 - `{"action": "replicate"|"migrate"|"evict", "instance", "layers": [a, b], "to", "from"}` and
   `{"action": "batch", "instance", "max_num_seqs"}` are CoCoServe's operations on one instance, sent to its
-  leader (DESIGN.md, "Instances across executors"). A standalone executor is the one-member instance
-  `i-<executor>` (shared/core/plans.alone): it has no peer to hold a layer, so it takes only `batch`.
+  leader (DESIGN.md, "Instances across executors"). `to` may be an executor serving alone in the leader's world:
+  it gets a `join` beside the leader's command, joins the instance for those layers and leaves it once its last
+  replica is evicted (fabric/enlist.py). A standalone executor is the one-member instance `i-<executor>`
+  (shared/core/plans.alone), or the `--executors N` plan's one-member instance.
 - `{"action": "tp_merge", "executors": [..]}` merges executors serving alone in one world into a TP2/TP4
   instance (AMOEBAs; every one of them takes its part), and `{"action": "tp_split", "instance"}` splits such
   an instance back. A merge by hand is held ADMIN_MERGE_HOLD_S before the controller may split it back on
@@ -38,8 +40,9 @@ from services.gateway import tp_merges
 from services.gateway.openai_api import ApiError, bad_request
 from shared.commands import CommandSender
 from shared.core.plans import alone, alone_id, leads
-from shared.messages import (BatchArgs, ClusterState, CommandArgs, CommandResult, EvictArgs, InstancePlan, MigrateArgs,
-                             QuantizeArgs, ReplicateArgs, RestoreArgs, TpSplitArgs)
+from shared.core.roles import join_refusal
+from shared.messages import (BatchArgs, ClusterState, CommandArgs, CommandResult, EvictArgs, InstancePlan, JoinArgs,
+                             MigrateArgs, QuantizeArgs, ReplicateArgs, RestoreArgs, TpSplitArgs)
 
 ALL = "*"
 # Swapping layers waits for a forward-pass boundary and may relocate KV blocks; a busy CPU executor
@@ -69,6 +72,8 @@ class MorphRequest(BaseModel):
 
 LayerIndex = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 MemberId = Annotated[StrictStr, Field(min_length=1, description="an executor id, a member of the instance")]
+TargetId = Annotated[StrictStr, Field(min_length=1, description="an executor id: a member of the instance, or an "
+                                                                 "executor serving alone in its world, which joins it")]
 
 
 class InstanceMorph(BaseModel):
@@ -89,19 +94,19 @@ class LayerRangeMorph(InstanceMorph):
 
 
 class ReplicateMorph(LayerRangeMorph):
-    """Add a replica of layers [a, b] on member `to`, which then takes a share of their batch rows."""
+    """Add a replica of layers [a, b] on `to`, which then takes a share of their batch rows."""
     action: Literal["replicate"]
-    to: MemberId
+    to: TargetId
 
     def members_named(self) -> dict[str, str]:
         return {"to": self.to}
 
 
 class MigrateMorph(LayerRangeMorph):
-    """Move layers [a, b], with their live KV, from member `from` to member `to`."""
+    """Move layers [a, b], with their live KV, from member `from` to `to`."""
     action: Literal["migrate"]
     source: MemberId = Field(alias="from")
-    to: MemberId
+    to: TargetId
 
     def members_named(self) -> dict[str, str]:
         return {"from": self.source, "to": self.to}
@@ -271,9 +276,24 @@ def _instance(state: ClusterState | None, instance: str) -> InstancePlan:
                    "instance_not_found")
 
 
-def _check_members(plan: InstancePlan, req: InstanceMorph) -> None:
+def _newcomer(state: ClusterState | None, plan: InstancePlan, req: InstanceMorph) -> str | None:
+    """The live executor outside the instance that a replicate or migrate brings in (it joins the instance); 409
+    where it cannot join, None where the operation brings in nobody or names an executor that is not alive."""
+    to = getattr(req, "to", None)
+    if not isinstance(req, (ReplicateMorph, MigrateMorph)) or to in plan.members:
+        return None
+    executors = {e.executor: e for e in (state.executors if state else [])}
+    candidate, leader = executors.get(to), executors.get(plan.leader)
+    if candidate is None or leader is None or not candidate.alive:
+        return None
+    if (why := join_refusal(candidate, leader)) is not None:
+        raise ApiError(409, f"{req.action} onto `{to}`: {why}", "invalid_request_error", "to", "morph_refused")
+    return to
+
+
+def _check_members(plan: InstancePlan, req: InstanceMorph, newcomer: str | None) -> None:
     for param, executor in req.members_named().items():
-        if executor not in plan.members:
+        if executor not in plan.members and executor != newcomer:
             raise ApiError(404, f"The executor `{executor}` is not a member of instance `{plan.id}` (its members: "
                                 f"{', '.join(plan.members)})", "invalid_request_error", param, "executor_not_found")
     if isinstance(req, TpSplitMorph):
@@ -284,10 +304,10 @@ def _check_members(plan: InstancePlan, req: InstanceMorph) -> None:
     if plan.merged:
         raise ApiError(409, f"instance `{plan.id}` is a TP merge: it takes only tp_split", "invalid_request_error",
                        None, "morph_refused")
-    if len(plan.members) == 1 and not isinstance(req, BatchMorph):
+    if len(plan.members) == 1 and newcomer is None and not isinstance(req, BatchMorph):
         raise ApiError(409, f"instance `{plan.id}` has one member, {plan.leader}, holding the only copy of every "
-                            f"layer: there is no other member to {req.action} layers to or from, so it takes only "
-                            f"`batch` (`morphling up --plan` starts instances of several executors)",
+                            f"layer: there is no other member to {req.action} layers from, so it takes `batch`, "
+                            f"and `replicate` or `migrate` onto an executor serving alone",
                        "invalid_request_error", None, "morph_refused")
 
 
@@ -365,12 +385,17 @@ async def morph(dispatcher, sender: CommandSender, body) -> dict:
 
 async def _morph_instance(dispatcher, sender: CommandSender, req: InstanceMorph) -> dict:
     plan = _instance(dispatcher.state, req.instance)
-    _check_members(plan, req)
+    newcomer = _newcomer(dispatcher.state, plan, req)
+    _check_members(plan, req, newcomer)
     args = INSTANCE_ACTIONS[req.action][1].model_validate(req.model_dump(by_alias=True, exclude={"action"}))
-    result = await sender.send(plan.leader, args, _REASON)
-    _raise_unless_applied(req.action, [result])
+    sends = [sender.send(plan.leader, args, _REASON)]
+    if newcomer is not None:  # both take their part at once: the join meets in their collectives
+        sends.append(sender.send(newcomer, JoinArgs(instance=plan.id, leader=plan.leader), _REASON))
+    result, *joined = await asyncio.gather(*sends)
+    if not result.ok:
+        _raise_unless_applied(req.action, [result, *(r for r in joined if not r.ok)])
     await _wait_shown(dispatcher, _shows(req, plan, result))
-    return _answer(dispatcher, [result])
+    return _answer(dispatcher, [result, *joined])
 
 
 async def _merge(dispatcher, sender: CommandSender, req: TpMergeMorph) -> dict:

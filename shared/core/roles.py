@@ -7,6 +7,8 @@ arguments (an instance id that is not this one, a layer that is not there) are c
 
 from enum import Enum
 
+from shared.messages import ExecutorState
+
 
 class Role(Enum):
     ALONE = "alone"  # serves by itself
@@ -38,7 +40,28 @@ def refusal(role: Role, kind: str, executor: str, instance: str | None = None, l
             f"{executor} leads no instance formed by tp_merge: it has nothing to split back into"
     if kind == "tp_merge":
         return None
+    if kind == "join":
+        return None if role is Role.ALONE else \
+            f"{executor} is in instance {instance} already: only an executor serving alone joins another's"
     if role is Role.MERGED:
         return (f"instance {instance} is a TP merge, which serves at the bits its layers had when it formed: {kind} it "
                 f"after its split")
+    return None
+
+
+def join_refusal(candidate: ExecutorState, leader: ExecutorState) -> str | None:
+    """Why `candidate` cannot join the TP1 instance `leader` leads, to hold replicas of its layers (the gateway and
+    the controller ask before they send a replicate or migrate onto it); None when it can."""
+    name, t = candidate.executor, candidate.telemetry
+    if not candidate.alive:
+        return f"executor {name} is not alive"
+    if t.plan is not None and (len(t.plan.members) > 1 or t.plan.leader != name):
+        return f"executor {name} is in instance {t.plan.id} already: only an executor serving alone joins another's"
+    if t.draining:
+        return f"executor {name} is draining"
+    if t.model != leader.telemetry.model:
+        return f"executor {name} serves {t.model}, not {leader.telemetry.model}"
+    if name not in leader.telemetry.world:
+        return (f"executors {name} and {leader.executor} are no peers of one world of executors (`morphling up` "
+                f"makes every executor of a model one), so they cannot form an instance")
     return None

@@ -11,8 +11,8 @@ from services.gateway import admin
 from services.gateway.app import create_app
 from shared.config import GatewayConfig
 from shared.core.plans import parse_plans, tp_plans
-from shared.messages import (BatchArgs, ClusterState, Command, CommandResult, EvictArgs, InstancePlan, LayerPlan,
-                             MigrateArgs, QuantizeArgs, ReplicateArgs, SloWindow)
+from shared.messages import (BatchArgs, ClusterState, Command, CommandResult, EvictArgs, InstancePlan, JoinArgs,
+                             LayerPlan, MigrateArgs, QuantizeArgs, ReplicateArgs, SloWindow)
 from tests.unit.test_router import executor, state
 
 
@@ -293,10 +293,9 @@ def test_when_the_monitor_never_shows_the_change_the_answer_comes_after_a_bounde
 @pytest.mark.parametrize("body, param, code", [
     ({**BATCH, "instance": "i9"}, "instance", "instance_not_found"),
     ({**BATCH, "instance": "i-exec0"}, "instance", "instance_not_found"),  # exec0 serves in i0, not alone
-    ({**REPLICATE, "to": "solo"}, "to", "executor_not_found"),
+    ({**REPLICATE, "to": "exec9"}, "to", "executor_not_found"),
     ({**MIGRATE, "from": "exec9"}, "from", "executor_not_found"),
     ({**EVICT, "from": "solo"}, "from", "executor_not_found"),
-    ({**REPLICATE, "instance": "i-solo", "to": "exec1"}, "to", "executor_not_found"),
 ])
 def test_an_id_that_names_nothing_is_a_404_and_sends_nothing(gateway, body, param, code):
     client, install = gateway
@@ -317,9 +316,36 @@ def test_an_instance_without_a_live_leader_is_a_404():
         assert raised.value.status == 404 and why in raised.value.message
 
 
+@pytest.mark.parametrize("body, why", [
+    ({**REPLICATE, "to": "solo"}, "no peers of one world"),  # solo serves alone, outside exec0's world
+    ({**REPLICATE, "instance": "i-solo", "to": "exec1"}, "in instance i0 already")])
+def test_an_executor_that_cannot_join_is_a_409_and_sends_nothing(gateway, body, why):
+    client, install = gateway
+    sender = install(cluster())
+    status, reply = post(client, body)
+    assert status == 409 and reply["error"]["code"] == "morph_refused" and reply["error"]["param"] == "to"
+    assert why in reply["error"]["message"] and sender.sent == []
+
+
+def test_a_replicate_onto_an_executor_serving_alone_sends_the_leader_its_command_and_the_newcomer_a_join(gateway):
+    client, install = gateway
+    world = ["exec0", "exec1", "solo"]
+    view = cluster()
+    view = view.model_copy(update={"executors": [e.model_copy(update={"telemetry": e.telemetry.model_copy(
+        update={"world": world})}) for e in view.executors]})
+    sender = install(view)
+    status, reply = post(client, {**REPLICATE, "instance": "i-solo", "to": "exec0"})
+    assert status == 409 and "in instance i0 already" in reply["error"]["message"]
+    status, reply = post(client, {**REPLICATE, "to": "solo"})
+    assert status == 200, reply
+    assert sender.sent == [("exec0", ReplicateArgs(instance="i0", layers=[0, 1], to="solo")),
+                           ("solo", JoinArgs(instance="i0", leader="exec0"))]
+    assert [r["executor"] for r in reply["results"]] == ["exec0", "solo"]
+
+
 @pytest.mark.parametrize("body", [{**REPLICATE, "instance": "i-solo", "to": "solo"},
                                   {**EVICT, "instance": "i-solo", "from": "solo"}])
-def test_a_one_member_instance_takes_only_batch(gateway, body):
+def test_a_one_member_instance_takes_batch_and_no_operation_among_its_own(gateway, body):
     client, install = gateway
     sender = install(cluster())
     status, reply = post(client, body)

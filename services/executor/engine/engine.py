@@ -75,7 +75,8 @@ class LLMEngine:
         for an executor that holds the whole model (runner.alone)."""
         self.config = config
         path = resolve_model_path(config.model)
-        checkpoint = load_checkpoint(path)
+        # Kept (read lazily) for layers that come back whole: replicas, and leaving an instance (fabric/enlist.py).
+        self.checkpoint = checkpoint = load_checkpoint(path)
         self.model_config = cfg = checkpoint.config
         self.tokenizer = Tokenizer.load(path)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or ((self.tokenizer.eos_token_id,)
@@ -296,7 +297,7 @@ class LLMEngine:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.block_table = block_ids(0, seq.block_table)
         for rank, packed in handed:
-            self._adopt(packed, block_ids(rank, packed["block_table"]))
+            self.adopt(packed, block_ids(rank, packed["block_table"]))
 
     def serve_alone(self, pages: Callable[[list[int]], list[int]], keep: Callable[[Sequence], bool],
                     handed: list[dict]) -> None:
@@ -316,9 +317,9 @@ class LLMEngine:
                 if not family:
                     del self._requests[seq.request_id]
         for packed in handed:
-            self._adopt(packed, pages(packed["block_table"]))
+            self.adopt(packed, pages(packed["block_table"]))
 
-    def _adopt(self, packed: dict, block_table: list[int]) -> None:
+    def adopt(self, packed: dict, block_table: list[int]) -> None:
         """A sequence another engine packed (handover.pack) goes on here."""
         seq, text = handover.unpack(packed, block_table, self.tokenizer, self.config.device)
         self._text[seq.seq_id] = text

@@ -30,7 +30,7 @@ from services.executor.engine.memory.arena import Arena, ArenaGeometry
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.decoder import DecodeGroup, DecoderModel, ForwardBatch, PrefillChunk, layer_layout
 from services.executor.engine.morphing.swapper import LayerSwapper
-from services.executor.fabric import reshape
+from services.executor.fabric import join_step, reshape
 from services.executor.fabric import step as wire
 from services.executor.fabric.shards import MemberCheckpoint, Shard
 from services.executor.fabric.world import FabricError, LeaderLeft, World, checked
@@ -77,8 +77,8 @@ class InstanceMember:
         self.full_copies: dict[int, dict[str, torch.Tensor]] = {}
         self.busy = BusyWindow()  # a follower's share of the last second spent in its part of the leader's steps
         self.min_blocks = geometry.pages_for_tokens(max_model_len)  # an instance holds one longest sequence
-        self._quantize_as_planned(held)
-        self.capacity, blocks = self._agree_on_blocks()
+        _quantize_as_planned(self.model, self.arena, plan, held)
+        self.capacity, blocks = _agree_on_blocks(self.arena.ledger, plan.id, self.group)
         self.page_of: list[int] = []  # block id -> our page
         self.map_blocks(blocks)
         self.blocks = PageLedger(self.capacity)  # the instance's block ids (the leader allocates them)
@@ -87,36 +87,41 @@ class InstanceMember:
         self.broken = False
         self.last_sent = time.monotonic()
         self.merged_state = None  # an instance merged at run time keeps what its split needs here
+        self.formed_by_join = False  # an instance of one that a newcomer joined (enlist.py): alone again once it leaves
         log.info("executor %s: member of instance %s (%s, layers %s), %d KV blocks of %d tokens", me, plan.id,
                  self.shard.describe(), held, blocks, config.block_size)
 
     @classmethod
-    def merged(cls, world: World, plan: InstancePlan, me: str, engine, units: torch.Tensor, capacity: int,
-               merged) -> "InstanceMember":
-        """This executor's member of an instance merged at run time (fabric/transform.py) out of the engine
-        that served alone: its model and arena as they are (cut by merge.become_member), KV by head unit
-        (`units`: a row of units per instance block, `capacity` blocks); `merged` (transform.MergedState) is
-        what its split needs to know."""
+    def from_engine(cls, world: World, plan: InstancePlan, me: str, engine, pages: torch.Tensor, capacity: int,
+                    merged=None) -> "InstanceMember":
+        """This executor's member of an instance formed at run time out of the engine that served alone: its model
+        and arena as they are, instance block b backed by `pages[b]` (a page; in a TP merge, cut by
+        merge.become_member, a row of head units), up to `capacity` blocks ever. `merged` (transform.MergedState)
+        is what a TP merge's split needs to know (fabric/transform.py); a TP1 instance formed by a join has none
+        (enlist.py)."""
         self = cls.__new__(cls)
         self.world, self.me, self.leader, self.is_leader = world, me, plan.leader, me == plan.leader
         self.device = torch.device(engine.config.device)
         self.adopt(plan)
-        self.shard = Shard(plan.tp, plan.members.index(me))
-        self.checkpoint = None  # a TP instance refuses layer operations before they would read it
+        self.shard = Shard(plan.tp, plan.members.index(me) if plan.tp > 1 else 0)
+        self.checkpoint = engine.checkpoint  # a layer back to full precision reads it (a TP instance never does)
         self.arena, self.model = engine.arena, engine.model
-        self.model.reduce = self._all_reduce
+        if plan.tp > 1:
+            self.model.reduce = self._all_reduce
         self.hidden_size, self.dtype = self.model.cfg.hidden_size, self.model.dtype
         self.full_copies = {}
         self.busy = BusyWindow()
         self.min_blocks = self.arena.geometry.pages_for_tokens(engine.max_model_len)
         self.capacity = capacity
-        self.page_of = [tuple(row) for row in units.tolist()]
-        self.pages = units.to(self.device)
+        self.page_of = [tuple(row) if pages.dim() == 2 else row for row in pages.tolist()]
+        self.pages = pages.to(self.device)
         self.blocks = PageLedger(capacity)
+        self.blocks.withdraw(range(len(self.page_of), capacity))
         self.kv_free, self.kv_used = self.blocks.num_free, 0
         self.broken = False
         self.last_sent = time.monotonic()
         self.merged_state = merged
+        self.formed_by_join = False
         return self
 
     @property
@@ -129,24 +134,6 @@ class InstanceMember:
         """Serve `plan` from the next step on."""
         self.plan = plan
         self.segments: list[Segment] = segments(plan)
-
-    # --- start ----------------------------------------------------------------------------------
-    def _quantize_as_planned(self, held: list[int]) -> None:
-        by_bits = quantized_layers(self.plan, set(held))
-        if by_bits:
-            swapper = LayerSwapper(self.model, self.arena, scheduler=None)
-            for bits, layers in by_bits.items():
-                swapper.set_bits(layers, bits)
-
-    def _agree_on_blocks(self) -> tuple[int, int]:
-        """(the most blocks the instance could ever have, the blocks it has now: as many as the member with the
-        fewest free pages can back)."""
-        ledger = self.arena.ledger
-        counts = torch.tensor([ledger.num_pages, ledger.num_free], dtype=torch.int64)
-        with checked(f"instance {self.plan.id}: agreeing on the KV block count"):
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.group)
-        capacity, blocks = counts.tolist()
-        return capacity, blocks
 
     # --- block ids to our pages -------------------------------------------------------------------
     @property
@@ -214,9 +201,9 @@ class InstanceMember:
     # --- a follower's side ------------------------------------------------------------------------
     def follow_one(self) -> int:
         """Wait for the leader's next step (KEEPALIVE_S at most while it lives) and run our part of it, timed into
-        `busy`; returns the step's kind (a SPLIT is the caller's to carry out: it needs the engine). Every follower
-        loops on this, so a failure is handled alike: FabricError, and a bug in our part breaks the instance too
-        (it cannot step without us)."""
+        `busy`; returns the step's kind (a SPLIT, and a PART whose plan leaves us out, are the caller's to carry
+        out: they need the engine). Every follower loops on this, so a failure is handled alike: FabricError, and a
+        bug in our part breaks the instance too (it cannot step without us)."""
         step = wire.decode(self.share(None, "waiting for the leader's step"))
         self.kv_free, self.kv_used = step.kv_free, step.kv_used
         try:
@@ -225,6 +212,10 @@ class InstanceMember:
                     self.execute(step)
             elif step.kind == wire.RESHAPE:
                 reshape.follow(self, step)
+            elif step.kind == wire.JOIN:
+                join_step.follow_join(self, step)
+            elif step.kind == wire.PART:
+                self.adopt(wire.payload_plan(step.payload))  # one that is left out leaves (the caller's part)
         except FabricError:
             raise
         except Exception as exc:
@@ -351,3 +342,22 @@ class InstanceMember:
         free, used = (self.blocks.num_free, self.num_blocks - self.blocks.num_free) if self.is_leader \
             else (self.kv_free, self.kv_used)
         return instance_pages(self.arena.ledger.snapshot(), self.num_blocks, free, used)
+
+
+# --- a member's start ---------------------------------------------------------------------------------
+def _quantize_as_planned(model: DecoderModel, arena: Arena, plan: InstancePlan, held: list[int]) -> None:
+    by_bits = quantized_layers(plan, set(held))
+    if by_bits:
+        swapper = LayerSwapper(model, arena, scheduler=None)
+        for bits, layers in by_bits.items():
+            swapper.set_bits(layers, bits)
+
+
+def _agree_on_blocks(ledger: PageLedger, instance: str, group) -> tuple[int, int]:
+    """(the most blocks the instance could ever have, the blocks it has now: as many as the member with the
+    fewest free pages can back)."""
+    counts = torch.tensor([ledger.num_pages, ledger.num_free], dtype=torch.int64)
+    with checked(f"instance {instance}: agreeing on the KV block count"):
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
+    capacity, blocks = counts.tolist()
+    return capacity, blocks

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -78,14 +77,6 @@ class Verdict:
         return cls(bool(ok), blocks, copies, weights, moves)
 
 
-def _plan_tensor(plan: InstancePlan) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(plan.model_dump_json().encode(), dtype=np.uint8).astype(np.int64))
-
-
-def _tensor_plan(payload: torch.Tensor) -> InstancePlan:
-    return InstancePlan.model_validate_json(payload.numpy().astype(np.uint8).tobytes())
-
-
 # --- the leader ---------------------------------------------------------------------------------------
 def next_plan(plan: InstancePlan, op: Operation | QuantizeArgs | RestoreArgs) -> InstancePlan:
     """The plan `op` asks for; ReshapeRefused says why it cannot apply."""
@@ -106,7 +97,7 @@ def lead(member: "InstanceMember", scheduler: Scheduler, sticky: dict[int, dict[
     start = time.perf_counter()
     if plan == member.plan:
         raise ReshapeRefused("the instance already serves that plan")
-    member.send_step(wire.StepPlan(wire.RESHAPE, payload=_plan_tensor(plan)))
+    member.send_step(wire.StepPlan(wire.RESHAPE, payload=wire.plan_payload(plan)))
     outside = _gather_outside_slots(member, plan)
     before, after = member.num_blocks, min(min(outside.values()), member.capacity)
     members = plan.members
@@ -164,7 +155,7 @@ def _weight_sources(old: InstancePlan, new: InstancePlan) -> list[tuple[int, str
 
 # --- a follower ---------------------------------------------------------------------------------------
 def follow(member: "InstanceMember", step: wire.StepPlan) -> None:
-    plan = _tensor_plan(step.payload)
+    plan = wire.payload_plan(step.payload)
     _gather_outside_slots(member, plan)
     verdict = Verdict.decode(member.share(None, "waiting for a reshape's verdict"), plan.members)
     if verdict.ok:

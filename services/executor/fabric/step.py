@@ -6,17 +6,20 @@ layer range the sub-batch and batch rows of each replica. KEEPALIVE steps say "s
 leader is idle, so that a member's wait can time out only when the leader is really gone. A RESHAPE step
 carries the instance's next plan (reshape.py says what follows it). A LEAVE step ends the instance: a leader
 done with it says so, and its members stop following at once instead of when their wait times out. A SPLIT
-step starts a TP split (transform.py): every member then serves alone again.
+step starts a TP split (transform.py): every member then serves alone again. A JOIN step carries the plan that
+names a newcomer, a PART step the plan without the members that leave (enlist.py).
 """
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.executor.engine.model.decoder import DecodeGroup, ForwardBatch, PrefillChunk
+from shared.messages import InstancePlan
 
-RUN, KEEPALIVE, RESHAPE, LEAVE, SPLIT = 1, 2, 3, 4, 5
+RUN, KEEPALIVE, RESHAPE, LEAVE, SPLIT, JOIN, PART = 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass
@@ -36,7 +39,7 @@ class StepPlan:
     copies: torch.Tensor = field(default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
     batch: ForwardBatch | None = None
     parts: list[ReplicaPart] = field(default_factory=list)
-    payload: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # RESHAPE: the plan
+    payload: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # a plan (plan_payload)
 
 
 def encode(step: StepPlan) -> torch.Tensor:
@@ -59,6 +62,14 @@ def decode(flat: torch.Tensor) -> StepPlan:
             segment, member = next(it).tolist()
             step.parts.append(ReplicaPart(segment, member, next(it), _read_batch(it)))
     return step
+
+
+def plan_payload(plan: InstancePlan) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(plan.model_dump_json().encode(), dtype=np.uint8).astype(np.int64))
+
+
+def payload_plan(payload: torch.Tensor) -> InstancePlan:
+    return InstancePlan.model_validate_json(payload.numpy().astype(np.uint8).tobytes())
 
 
 def _batch_tensors(b: ForwardBatch) -> list[torch.Tensor]:

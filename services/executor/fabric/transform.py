@@ -108,8 +108,8 @@ def merge(engine: "LLMEngine", world: World, members: list[str], me: str, instan
                         {} if rank else {s.request_id: 0 for s in seqs} | {
                             p["request_id"]: r for r, e in enumerate(everyone) for p in e["seqs"]}, report,
                         [e["carry"] for e in everyone])
-    member = InstanceMember.merged(world, instance, me, engine, torch.tensor(units, dtype=torch.int64), capacity,
-                                   state)
+    member = InstanceMember.from_engine(world, instance, me, engine, torch.tensor(units, dtype=torch.int64), capacity,
+                                        state)
     if rank == 0:
         refs = {block_id[(r, p)]: rc for r, e in enumerate(everyone) for p, rc in e["blocks"].items()}
         for block, rc in refs.items():

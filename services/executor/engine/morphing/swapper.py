@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.engine.memory.arena import Arena
-from services.executor.engine.model.decoder import DecoderModel, slot_views
+from services.executor.engine.model.decoder import DecoderModel, load_layer, slot_views
 from services.executor.engine.morphing.variants import VariantStore
 from shared.core.errors import EngineError, OutOfPagesError
 from shared.core.scheduling.scheduler import Scheduler
@@ -95,6 +95,37 @@ class LayerSwapper:
 
     def restore(self, layers: list[int]) -> SwapReport:
         return self.set_bits(layers, self.model.full_bits)
+
+    # --- every layer at once: an executor that joins an instance for replicas, and leaves it -------
+    def release_all(self) -> int:
+        """Turn every layer's slot pages into free KV pages and hold no layer (no KV may be live); the pages
+        released."""
+        ledger, released = self.arena.ledger, 0
+        for layer, views in enumerate(self.model.layers):
+            if views is None:
+                continue
+            slot = self._slot(layer)
+            held = [p for p in slot if ledger.slot_of(p) == layer]
+            if held:
+                ledger.release_slot_pages(layer, range(held[0], held[-1] + 1))
+            self.model.layers[layer] = None
+            released += len(held)
+        return released
+
+    def reload_all(self, checkpoint) -> int:
+        """Hold every layer whole at full precision again, read from `checkpoint`, its slot taken back from
+        the KV pages (none may be live); the pages taken."""
+        ledger, full, taken = self.arena.ledger, self.model.full_bits, 0
+        for layer, views in enumerate(self.model.layers):
+            if views is not None:
+                continue
+            start = self._slot(layer).start
+            ledger.assign_slot(layer, range(start, start + self.pages_for(full)))
+            load_layer(self._fp_views[layer], checkpoint, layer)
+            self.model.layers[layer] = self._fp_views[layer]
+            self.model.layer_bits[layer] = full
+            taken += self.pages_for(full)
+        return taken
 
     # --- pages --------------------------------------------------------------------------------
     def _slot(self, layer: int) -> range:

@@ -20,6 +20,11 @@ def pack(seq: Sequence, text: TextStream) -> dict:
                 text_chars=text.emitted)
 
 
+def preempted(packed: dict) -> dict:
+    """`packed` as a sequence preempted after the tokens it has: no KV, waiting for its prefill again."""
+    return {**packed, "block_table": [], "num_computed": 0, "running": False}
+
+
 def unpack(packed: dict, block_table: list[int], tokenizer: Tokenizer, device: str) -> tuple[Sequence, TextStream]:
     params = SamplingOptions.model_validate(packed["params"])
     generator = None

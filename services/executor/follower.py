@@ -3,8 +3,7 @@
 Its thread waits for the leader's steps and runs its layers or shards (InstanceMember). On the bus it is an
 executor like any other (telemetry, so the monitor sees it live and in which instance; ping and drain),
 but requests go to the leader: one that reaches it anyway is refused, and so is a morph, which an instance
-takes as a whole. When the instance breaks, or leaves it out once it holds no layer (a PART step), `broken`
-is set and the process falls back to serving alone.
+takes as a whole. When the instance breaks, `broken` is set and the process falls back to serving alone.
 """
 
 import asyncio
@@ -71,10 +70,6 @@ class FollowerService:
                 self.member.follow_one()
             except FabricError as exc:
                 log.warning("executor %s: instance %s is broken: %s", self.id, self.member.plan.id, exc)
-                self._loop.call_soon_threadsafe(self.broken.set)
-                return
-            if self.id not in self.member.plan.members:  # it holds no layer any more: the process serves alone
-                log.info("executor %s: left instance %s", self.id, self.member.plan.id)
                 self._loop.call_soon_threadsafe(self.broken.set)
                 return
 

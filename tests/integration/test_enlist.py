@@ -78,7 +78,7 @@ def test_an_executor_serving_alone_joins_for_replicas_and_leaves_and_every_reque
         plan = alone("exec0", layers)
         carried, report = enlist.lead_join(engine, world, plan, "exec1")
         member = engine.member
-        assert member.plan.members == ["exec0", "exec1"] and member.formed_by_join
+        assert member.plan.members == ["exec0", "exec1"] and member.joined == {"exec1"}
         assert report["sequences_recomputed"] == 2 and carried is None
         for rid, tokens in results.get(timeout=TIMEOUT_S).items():
             out.setdefault(rid, []).extend(tokens)

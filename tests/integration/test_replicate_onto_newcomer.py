@@ -5,7 +5,7 @@ With streams on both executors, `replicate` of every layer of exec0's instance o
 succeeds: exec1 joins the instance, its streams go on at exec0, and exec1 computes a share of the batch. Every
 stream, and greedy output afterwards, is what an undisturbed run gives. Evicting exec1's replicas leaves it
 outside the instance, serving alone with its whole model again. SIGKILLed and restarted by `up`, it joins an
-instance again.
+instance again; SIGKILLed while it holds replicas, it breaks only that instance, whose leader serves alone again.
 """
 
 import concurrent.futures
@@ -13,8 +13,10 @@ import os
 import signal
 import time
 
+import openai
+
 from tests.integration.test_fabric import clean_env, cluster, serve
-from tests.integration.test_scale import FLAGS, complete, morph
+from tests.integration.test_scale import FLAGS, MODEL, complete, morph
 from tests.integration.test_scale import PROMPTS as SCALE_PROMPTS
 
 PROMPTS = SCALE_PROMPTS[:4]
@@ -81,6 +83,24 @@ def test_replicate_onto_the_other_executor_of_a_plain_deployment_joins_it_and_ev
         r = morph(up.url, {**replicate, "layers": [0, 9]})
         assert r.status_code == 200, r.text + up.logs()
         print(f"restarted exec1 joined an instance again {time.monotonic() - killed:.1f} s after its SIGKILL")
+        assert complete(up.url, PROMPTS[0]) == expected[PROMPTS[0]]
+
+        # A newcomer that dies holding replicas breaks only that instance, as any member does: the stream ends
+        # with an error event, and exec0 serves alone again with the same text.
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        error = None
+        try:
+            for chunk in stream:
+                if chunk.choices[0].text and error is None:
+                    os.kill(up.pid("exec1"), signal.SIGKILL)
+                    error = "killed"
+        except openai.APIError as exc:
+            error = exc
+        assert isinstance(error, openai.APIError) and "lost a member" in error.body["message"], error
+        wait_for(lambda: any(i["members"] == ["exec0"] for i in cluster(up.url)["instances"]), 120,
+                 "exec0 should serve alone after its newcomer died", up.logs)
         assert complete(up.url, PROMPTS[0]) == expected[PROMPTS[0]]
     finally:
         up.interrupt(60)

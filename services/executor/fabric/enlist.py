@@ -12,9 +12,10 @@ Joining, between two steps (the leader then carries out the replicate or migrate
    scheduler they are sequences preempted after the tokens they have). It holds no layer until the reshape
    brings some.
 
-Leaving (the leader, after a reshape that left a member without layers): a PART step with the plan without it.
-That member takes its whole model back from its checkpoint at full precision and serves alone; a leader left
-alone in an instance a join formed serves alone again, its block ids its pages once more.
+Leaving (the leader, after a reshape that left a newcomer without layers; a planned spare member stays): a PART
+step with the plan without it. That member takes its whole model back from its checkpoint at full precision and
+serves alone; a leader left alone in an instance a join formed serves alone again, its block ids its pages once
+more.
 """
 
 import logging
@@ -61,7 +62,7 @@ def lead_join(engine: "LLMEngine", world: World, plan: InstancePlan, newcomer: s
     if member is not None:
         member.send_step(wire.StepPlan(wire.JOIN, payload=wire.plan_payload(grown)))
     ledger = engine.arena.ledger
-    blocks = member.num_blocks if member is not None else ledger.num_free + len(_live_pages(engine))
+    blocks = member.num_blocks if member is not None else ledger.num_free + len(_held(engine))
     try:
         everyone = join_step.gather(world, grown, {"blocks": blocks, "capacity": ledger.num_pages}, member)
     except FabricError as exc:
@@ -76,6 +77,7 @@ def lead_join(engine: "LLMEngine", world: World, plan: InstancePlan, newcomer: s
     else:
         member.adopt(grown)
         member.capacity = min(member.capacity, capacity)
+    member.joined.add(newcomer)
     carried = everyone[grown.members.index(newcomer)]
     for packed in carried["seqs"]:  # to the scheduler, sequences preempted after the tokens they have
         engine.adopt(handover.preempted(packed), [])
@@ -98,7 +100,7 @@ def join(engine: "LLMEngine", world: World, me: str, leader: str, instance_id: s
         plan = wire.payload_plan(payload)
         ledger = engine.arena.ledger
         everyone = join_step.gather(world, plan, {"pages": ledger.num_present, "capacity": ledger.num_pages,
-                                         "seqs": engine.export_sequences(), "carry": carry})
+                                                  "seqs": engine.export_sequences(), "carry": carry})
     except FabricError as exc:
         world.drop(pair)
         raise ReshapeRefused(f"{me} could not join instance {instance_id} led by {leader}: {exc}") from None
@@ -116,17 +118,18 @@ def join(engine: "LLMEngine", world: World, me: str, leader: str, instance_id: s
 
 
 def lead_part(engine: "LLMEngine", member: InstanceMember) -> tuple[list[str], InstancePlan]:
-    """After a reshape, the leader's: the members other than itself that hold no layer leave the instance (a
+    """After a reshape, the leader's: the members that joined at run time and hold no layer leave the instance (a
     PART step); a leader then alone in an instance a join formed serves alone again. Returns (those that left,
     the plan it serves afterwards)."""
     plan = member.plan
-    idle = [m for m in plan.members if m != plan.leader and not layers_on(plan, m)]
+    idle = [m for m in plan.members if m in member.joined and not layers_on(plan, m)]  # a planned spare stays
     if not idle:
         return [], plan
     rest = plan.model_copy(update={"members": [m for m in plan.members if m not in idle]})
     member.send_step(wire.StepPlan(wire.PART, payload=wire.plan_payload(rest)))
     member.adopt(rest)
-    if rest.members == [rest.leader] and member.formed_by_join:
+    member.joined -= set(idle)
+    if rest.members == [rest.leader]:  # an instance of one that joins formed (a planned one has planned members)
         _serve_alone(engine, member)
     log.info("executor %s: %s left instance %s", plan.leader, idle, plan.id)
     return idle, rest
@@ -135,14 +138,14 @@ def lead_part(engine: "LLMEngine", member: InstanceMember) -> tuple[list[str], I
 def leave(engine: "LLMEngine", member: InstanceMember) -> int:
     """The newcomer's, once a PART step left it out (it holds no layer): its whole model back from its checkpoint
     at full precision, every KV page free; it serves alone again. Returns the slot pages it took back."""
-    member.unmap_blocks(0)
-    engine.arena.ledger.reset_kv({})
+    engine.arena.ledger.reset_kv({})  # the pages that backed the instance's blocks too
     taken = engine.swapper.reload_all(engine.checkpoint)
     log.info("executor %s: left instance %s; serving alone with the whole model again", member.me, member.plan.id)
     return taken
 
 
-def _live_pages(engine: "LLMEngine") -> list[int]:
+def _held(engine: "LLMEngine") -> list[int]:
+    """What the engine's sequences hold: pages while it serves alone, block ids while it leads an instance."""
     return sorted({p for s in [*engine.scheduler.running, *engine.scheduler.waiting] for p in s.block_table})
 
 
@@ -150,13 +153,12 @@ def _instance_of_one(engine: "LLMEngine", world: World, plan: InstancePlan, capa
     """The leader that served alone leads `plan` from now on: its KV pages are the instance's blocks, the live
     ones first, each with its reference count; its sequences' block tables become block ids."""
     ledger = engine.arena.ledger
-    live = _live_pages(engine)
+    live = _held(engine)
     refs = {p: ledger.refcount(p) for p in live}
     page_of = live + ledger.free_pages()
     ledger.reset_kv({p: 1 for p in page_of})  # each backs one block; the instance's ledger counts references
     member = InstanceMember.from_engine(world, plan, plan.leader, engine, torch.tensor(page_of, dtype=torch.int64),
                                         capacity)
-    member.formed_by_join = True
     block_of = {p: b for b, p in enumerate(page_of)}
     for page, rc in refs.items():
         member.blocks.claim(block_of[page])
@@ -169,6 +171,5 @@ def _instance_of_one(engine: "LLMEngine", world: World, plan: InstancePlan, capa
 
 def _serve_alone(engine: "LLMEngine", member: InstanceMember) -> None:
     """The leader's instance of one, formed by a join, ends: its blocks are its pages again."""
-    live = sorted({b for s in [*engine.scheduler.running, *engine.scheduler.waiting] for b in s.block_table})
-    engine.arena.ledger.reset_kv({member.page_of[b]: member.blocks.refcount(b) for b in live})
+    engine.arena.ledger.reset_kv({member.page_of[b]: member.blocks.refcount(b) for b in _held(engine)})
     engine.serve_alone(lambda table: [member.page_of[b] for b in table], lambda _: True, [])

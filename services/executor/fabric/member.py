@@ -87,7 +87,7 @@ class InstanceMember:
         self.broken = False
         self.last_sent = time.monotonic()
         self.merged_state = None  # an instance merged at run time keeps what its split needs here
-        self.formed_by_join = False  # an instance of one that a newcomer joined (enlist.py): alone again once it leaves
+        self.joined: set[str] = set()  # the leader's: members that joined at run time (enlist.py), which leave again
         log.info("executor %s: member of instance %s (%s, layers %s), %d KV blocks of %d tokens", me, plan.id,
                  self.shard.describe(), held, blocks, config.block_size)
 
@@ -121,7 +121,7 @@ class InstanceMember:
         self.broken = False
         self.last_sent = time.monotonic()
         self.merged_state = merged
-        self.formed_by_join = False
+        self.joined = set()
         return self
 
     @property

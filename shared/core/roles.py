@@ -3,6 +3,7 @@
 The live executor (services/executor/service.py), an instance's follower (follower.py) and the simulator's executor
 all ask `refusal`, so that a command refused live is refused in a simulation with the same words. A command's own
 arguments (an instance id that is not this one, a layer that is not there) are checked where it applies.
+`join_refusal` says, from the cluster state, whether an executor may join another's instance for replicas.
 """
 
 from enum import Enum

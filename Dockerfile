@@ -26,7 +26,7 @@ RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX}" \
 # Dependencies change less often than the code: copy the project last to keep the layers above cached.
 COPY pyproject.toml README.md ./
 COPY shared ./shared
-COPY kernels ./kernels
+COPY morphling_kernels ./morphling_kernels
 COPY services ./services
 COPY deploy ./deploy
 # The default model's layer-importance profile (executors quantize layers in its order) and its latency profile

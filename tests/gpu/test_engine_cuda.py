@@ -144,7 +144,7 @@ def test_swaps_under_graphs_select_the_layers_variant_graphs(checkpoint, dtype):
 def test_every_kernel_is_tuned_at_start_not_after_a_swap(checkpoint, tmp_path, monkeypatch):
     # A kernel first met while serving would compile and be timed on the critical path: the stall issue 15 saw
     # (652 ms) after an INT4 swap. Start from an empty tuning cache and watch what serving adds.
-    from kernels import tuning
+    from morphling_kernels import tuning
 
     monkeypatch.setenv("MORPHLING_TUNING_CACHE", str(tmp_path))
     monkeypatch.setattr(tuning, "_chosen", {})

@@ -4,11 +4,11 @@ references on the same CUDA tensors (the interpreter runs the same kernels on th
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks_ref, copy_blocks_triton
-from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.w4a16 import w4a16_linear_ref, w4a16_linear_triton
-from kernels.w8a16 import w8a16_linear_ref, w8a16_linear_triton
+from morphling_kernels.block_copy import copy_blocks_ref, copy_blocks_triton
+from morphling_kernels.kv_write import write_kv_ref, write_kv_triton
+from morphling_kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from morphling_kernels.w4a16 import w4a16_linear_ref, w4a16_linear_triton
+from morphling_kernels.w8a16 import w8a16_linear_ref, w8a16_linear_triton
 from services.executor.engine.morphing.quant import quantize_int4, quantize_int8
 
 CUDA = "cuda"
@@ -123,10 +123,10 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_round_as_torch_does(dtype):
-    # Rounded where torch rounds (kernels/fused.py): RoPE gives torch's bits; RMSNorm sums its squares in another
+    # Rounded where torch rounds (fused.py): RoPE gives torch's bits; RMSNorm sums its squares in another
     # order and SiLU's exp may differ in its last bit, so they may differ by an ulp where a value sits on a rounding
     # boundary: rarely, in bf16.
-    from kernels.fused import (add_rms_norm_ref, add_rms_norm_triton, rope_write_kv_ref, rope_write_kv_triton,
+    from morphling_kernels.fused import (add_rms_norm_ref, add_rms_norm_triton, rope_write_kv_ref, rope_write_kv_triton,
                                silu_mul_ref, silu_mul_triton)
 
     gen = torch.Generator(device=CUDA).manual_seed(3)
@@ -161,9 +161,9 @@ def test_fused_kernels_round_as_torch_does(dtype):
 def test_every_configuration_the_tuner_may_pick_in_bfloat16(rows):
     # The interpreter cannot check tl.dot in bf16 (tests/unit runs the candidates in fp32 only), and any
     # candidate may win the tuning on some GPU.
-    from kernels.tuning import rows_bucket
-    from kernels.w4a16 import block_ks
-    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+    from morphling_kernels.tuning import rows_bucket
+    from morphling_kernels.w4a16 import block_ks
+    from morphling_kernels.w8a16 import W8_BLOCK_KS, launch_candidates
 
     gen = torch.Generator(device=CUDA).manual_seed(4)
     w = torch.randn(1000, 2048, generator=gen, device=CUDA) * 0.02

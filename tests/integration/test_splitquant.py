@@ -37,7 +37,7 @@ def one_engine(bits: list[int]) -> list[str]:
             engine.swapper.set_bits(layers, width)
     params = SamplingOptions(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     # One prompt at a time on one thread, as the test's client sends them and as each of `up`'s two executors runs
-    # (cores / 2): on CPU an INT8 layer of up to 8 rows runs torch's packed kernel in bfloat16 (kernels/w8a16.py),
+    # (cores / 2): on CPU an INT8 layer of up to 8 rows runs torch's packed kernel in bfloat16 (w8a16.py),
     # whose rounding depends on the rows batched together and on how the threads split the sums.
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, cpu_cores() // 2))

@@ -3,8 +3,8 @@ and no module imports itself around a circle.
 
 Each package under services/ is one process (gateway, executor, monitor, controller) or the tools (benchmarks,
 profilers, the planner's CLI, the simulator); what two processes need lives in shared/ (messages, the command
-sender, sampling options, configuration) or kernels/. A direct import across that line is how a gateway ends up
-loading torch, or a controller pulling in nats to run a pure policy; this test names the offending import instead.
+sender, sampling options, configuration) or morphling_kernels/. A direct import across that line is how a gateway
+ends up loading torch, or a controller pulling in nats to run a pure policy; this test names the offending import.
 The pure rules live in shared/core, below every process and importing none of them, torch or nats; the protocol
 (shared's subjects, messages, bus, configuration) sits below the rules. Tools may import any of it (the simulator
 runs the services' own rules on simulated executors), but nothing serving imports a tool, so a benchmark never loads
@@ -59,8 +59,8 @@ def test_no_service_imports_another(package):
     assert [c for f in files for c in crossings(f)] == []
 
 
-@pytest.mark.parametrize("folder, forbidden", [("shared", ("services", "kernels", "torch")),
-                                               ("kernels", ("services", "shared"))])
+@pytest.mark.parametrize("folder, forbidden", [("shared", ("services", "morphling_kernels", "torch")),
+                                               ("morphling_kernels", ("services", "shared"))])
 def test_shared_code_depends_on_no_service(folder, forbidden):
     bad = [f"{f.relative_to(PROJECT_ROOT)}:{line} imports {module}"
            for f in sorted((PROJECT_ROOT / folder).rglob("*.py"))
@@ -75,7 +75,7 @@ def test_the_rules_import_neither_torch_nor_nats_nor_a_process():
     """shared/core holds the pure rules the services and the simulator both run (the scheduler and ledger, admission,
     the router's choice, the monitor's aggregation, the controller's policies, plans, the planner): they may import
     the protocol and one another, and nothing that needs a device, the bus or a process."""
-    forbidden = ("torch", "nats", "services", "kernels", "shared.bus", "shared.commands")
+    forbidden = ("torch", "nats", "services", "morphling_kernels", "shared.bus", "shared.commands")
     bad = [f"{f.relative_to(PROJECT_ROOT)}:{line} imports {module}"
            for f in sorted(CORE.rglob("*.py")) for line, module in imported_modules(f)
            if any(module == x or module.startswith(x + ".") for x in forbidden)]
@@ -107,7 +107,7 @@ def layer(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "shared":
         return "rules" if parts[1:2] == ["core"] else "protocol"
-    if parts[0] == "kernels" or parts[:3] == ["services", "executor", "engine"]:
+    if parts[0] == "morphling_kernels" or parts[:3] == ["services", "executor", "engine"]:
         return "engine"
     if parts[:3] == ["services", "executor", "fabric"]:
         return "fabric"
@@ -119,7 +119,8 @@ def layer(module: str) -> str | None:
 def test_every_layer_imports_only_the_layers_below_it():
     """protocol <- rules <- engine <- fabric <- services <- tools: the engine knows no fabric (an instance's runner is
     handed to it), the fabric no service, and the rules nothing above the protocol."""
-    files = [f for folder in ("shared", "kernels", "services") for f in sorted((PROJECT_ROOT / folder).rglob("*.py"))]
+    files = [f for folder in ("shared", "morphling_kernels", "services")
+             for f in sorted((PROJECT_ROOT / folder).rglob("*.py"))]
     bad = []
     for f in files:
         mine = layer(module_name(f, PROJECT_ROOT))
@@ -153,7 +154,8 @@ def runtime_imports(path: Path, known: set[str]) -> set[str]:
     return found & known
 
 
-def import_circles(root: Path, folders: tuple[str, ...] = ("services", "shared", "kernels")) -> list[list[str]]:
+def import_circles(root: Path,
+                   folders: tuple[str, ...] = ("services", "shared", "morphling_kernels")) -> list[list[str]]:
     """Every set of modules that import one another around a circle (Tarjan's strongly connected components)."""
     files = {module_name(f, root): f for folder in folders for f in sorted((root / folder).rglob("*.py"))}
     graph = {m: runtime_imports(f, set(files)) - {m} for m, f in files.items()}
@@ -203,7 +205,7 @@ def test_the_circle_finder_sees_a_function_level_circle_and_not_an_annotation(tm
 MAX_CLASS_LINES = 300  # a class a reader can hold in mind; a larger one is several jobs in one
 
 
-def long_classes(root: Path, folders=("services", "shared", "kernels")) -> list[str]:
+def long_classes(root: Path, folders=("services", "shared", "morphling_kernels")) -> list[str]:
     found = []
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):

@@ -3,7 +3,7 @@ replays the graphs themselves) must give the tokens the engine gives without the
 
 import pytest
 
-from kernels.tuning import rows_bucket
+from morphling_kernels.tuning import rows_bucket
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.graphs import DecodeGraphs, buckets, warm_linears
 from services.executor.engine.model import decoder
@@ -77,7 +77,7 @@ def test_swaps_select_the_layers_other_pieces(tiny_dir):
 
 @pytest.mark.parametrize("write", [write_tiny_llama3, write_tiny_qwen2], ids=["llama3", "qwen2"])
 def test_the_start_meets_every_low_bit_kernel_that_serving_after_a_swap_does(write, tmp_path, monkeypatch):
-    # On a GPU a low-bit kernel compiles and is tuned the first time it meets a key (kernels/tuning.py), so a key
+    # On a GPU a low-bit kernel compiles and is tuned the first time it meets a key (tuning.py), so a key
     # that warm_linears misses stalls the first step after a swap. Qwen2's q/k/v bias is part of the key: a
     # start that warmed them without it left every biased key to serving (an H200, 2026-11-27).
     monkeypatch.setattr(decoder, "int4_packing", lambda device: decoder.NIBBLES)  # the GPU's, whose kernels tune

@@ -23,7 +23,8 @@ def dangling(root: Path, texts: list[Path]) -> list[str]:
 
 def test_every_file_the_docs_and_docstrings_name_exists(tmp_path):
     texts = [*PROJECT_ROOT.glob("docs/*.md"), PROJECT_ROOT / "README.md",
-             *(p for folder in ("services", "shared", "kernels") for p in (PROJECT_ROOT / folder).rglob("*.py"))]
+             *(p for folder in ("services", "shared", "morphling_kernels")
+               for p in (PROJECT_ROOT / folder).rglob("*.py"))]
     assert dangling(PROJECT_ROOT, texts) == []
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "here.py").write_text("")

@@ -6,9 +6,9 @@ must match the torch references the CPU runs."""
 import pytest
 import torch
 
-from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.w4a16 import w4a16_linear_ref, w4a16_linear_triton
-from kernels.w8a16 import w8a16_linear_ref, w8a16_linear_triton
+from morphling_kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from morphling_kernels.w4a16 import w4a16_linear_ref, w4a16_linear_triton
+from morphling_kernels.w8a16 import w8a16_linear_ref, w8a16_linear_triton
 from services.executor.engine.morphing.quant import int4_group, quantize_int4, quantize_int8
 from services.executor.engine.model.decoder import pad_channels
 from services.executor.fabric.shards import ffn_shard, head_shards

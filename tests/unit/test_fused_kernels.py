@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import (
+from morphling_kernels.fused import (
     _HAS_TRITON,
     add_rms_norm,
     add_rms_norm_ref,

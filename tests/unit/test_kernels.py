@@ -15,14 +15,14 @@ import math
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks, copy_blocks_ref, copy_blocks_triton
-from kernels.kv_write import write_kv, write_kv_ref, write_kv_triton
-from kernels.paged_attention import (
+from morphling_kernels.block_copy import copy_blocks, copy_blocks_ref, copy_blocks_triton
+from morphling_kernels.kv_write import write_kv, write_kv_ref, write_kv_triton
+from morphling_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from kernels.prefill_attention import gather_kv, prefill_attention
+from morphling_kernels.prefill_attention import gather_kv, prefill_attention
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -289,7 +289,7 @@ def test_decode_split_over_the_context_matches_ref(heads, block_size, partition_
 
 
 def test_the_context_is_split_only_when_the_grid_is_small_and_the_context_long():
-    from kernels.paged_attention import PARTITION_BLOCKS, partition_tokens
+    from morphling_kernels.paged_attention import PARTITION_BLOCKS, partition_tokens
 
     cpu = torch.device("cpu")  # one unit: a grid of 2 (sequence, kv head) programs fills it
     size = PARTITION_BLOCKS * 16

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed, w4a16_linear_ref, w4a16_linear_triton
-from kernels.w8a16 import (CPU_PACKED_MAX_ROWS, w8a16_linear, w8a16_linear_cpu_packed, w8a16_linear_ref,
+from morphling_kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed, w4a16_linear_ref, w4a16_linear_triton
+from morphling_kernels.w8a16 import (CPU_PACKED_MAX_ROWS, w8a16_linear, w8a16_linear_cpu_packed, w8a16_linear_ref,
                            w8a16_linear_triton)
 from services.executor.engine.morphing.quant import (cpu_int4pack_codes, cpu_int4pack_dequantize, quantize_int4,
                                                      quantize_int8, to_cpu_int4pack)
@@ -209,11 +209,11 @@ def test_w4a16_triton_group_too_narrow_for_tl_dot_takes_the_gemv_path():
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])
 def test_every_launch_configuration_the_tuner_may_pick_computes_the_same_product(rows):
-    # On a GPU the tuner may pick any candidate (kernels/tuning.py); here each runs once, on a shape that no tile
+    # On a GPU the tuner may pick any candidate (tuning.py); here each runs once, on a shape that no tile
     # divides, so masks and K splits with empty tails are all exercised.
-    from kernels.tuning import rows_bucket
-    from kernels.w4a16 import block_ks
-    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+    from morphling_kernels.tuning import rows_bucket
+    from morphling_kernels.w4a16 import block_ks
+    from morphling_kernels.w8a16 import W8_BLOCK_KS, launch_candidates
 
     x, w, bias = make_case(72, 512, rows=rows, seed=case_seed("tuned", rows))
     q8, q4 = quantize_int8(w), quantize_int4(w, 128)
@@ -233,7 +233,7 @@ def test_every_launch_configuration_the_tuner_may_pick_computes_the_same_product
 
 
 def test_a_fresh_machine_starts_from_the_shipped_choices_and_its_own_tuning_wins(tmp_path, monkeypatch):
-    from kernels import tuning
+    from morphling_kernels import tuning
 
     shipped, own = tmp_path / "shipped", tmp_path / "cache" / "NVIDIA_H100_80GB_HBM3.json"
     shipped.mkdir()
@@ -246,7 +246,7 @@ def test_a_fresh_machine_starts_from_the_shipped_choices_and_its_own_tuning_wins
     own.write_text(json.dumps({"w8a16(4096, 4096, 1, False)": ["gemv", 32, 128, 2]}))
     assert tuning.saved_choices(own)["w8a16(4096, 4096, 1, False)"] == ("gemv", 32, 128, 2)
     # what ships is what a lent H100 chose, and each choice is one its kernel can launch
-    from kernels.w8a16 import W8_BLOCK_KS, launch_candidates
+    from morphling_kernels.w8a16 import W8_BLOCK_KS, launch_candidates
     table = json.loads((Path(tuning.__file__).parent / "tuned" / own.name).read_text())
     w8 = {key: tuple(choice) for key, choice in table.items() if key.startswith("w8a16")}
     assert w8 and all(choice in launch_candidates(int(key.split(", ")[2]), W8_BLOCK_KS) for key, choice in w8.items())
@@ -260,8 +260,8 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
-from kernels.w4a16 import _w4a16_gemv_kernel
-from kernels.w8a16 import _w8a16_gemv_kernel
+from morphling_kernels.w4a16 import _w4a16_gemv_kernel
+from morphling_kernels.w8a16 import _w8a16_gemv_kernel
 
 def dots(kernel, activation, codes):
     constexprs = {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64}
@@ -286,7 +286,7 @@ print(json.dumps({a: [dots(_w8a16_gemv_kernel, a, "i8"), dots(_w4a16_gemv_kernel
 
 def test_float32_gemv_at_16_rows_is_not_made_a_tensor_core_dot():
     """At 16 rows Triton's combine pass turns the GEMV's product into a dot, a TF32 one in the GPU images'
-    triton, and float32 activations then erred 3.4e-4 on an H200: kernels/w8a16.gemv_sum keeps float32
+    triton, and float32 activations then erred 3.4e-4 on an H200: morphling_kernels/w8a16.gemv_sum keeps float32
     activations out of it. The kernels' Triton IR for an H100, compiled without a GPU (no interpreter)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

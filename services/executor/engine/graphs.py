@@ -33,7 +33,7 @@ from shared.core.scheduling.scheduler import ScheduledChunk
 @torch.inference_mode()
 def warm_linears(model: DecoderModel, bits: Collection[int], max_rows: int) -> None:
     """Run each linear of a layer at each of `bits` once per power of two of rows up to `max_rows` (a step's
-    tokens): every kernel a variant can hit compiles and is tuned (kernels/tuning.py) now, not in the first
+    tokens): every kernel a variant can hit compiles and is tuned (morphling_kernels/tuning.py) now, not in the first
     step after a swap. Layers share shapes, so one layer's slot serves, whatever it holds: nothing is kept."""
     layer = next(i for i, w in enumerate(model.layers) if w is not None)
     widths = {name: shape[1] for name, (_, shape) in layer_layout(model.cfg, model.dtype)[0].items()

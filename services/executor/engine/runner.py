@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.block_copy import copy_blocks
+from morphling_kernels.block_copy import copy_blocks
 from services.executor.engine.graphs import DecodeGraphs, warm_linears
 from services.executor.engine.memory.arena import Arena, ArenaGeometry
 from services.executor.engine.model.checkpoint import Checkpoint

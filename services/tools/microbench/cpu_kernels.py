@@ -77,8 +77,8 @@ def layer_weights(shape, layers: int, gen: torch.Generator) -> list[dict]:
 
 
 def candidates(rows: int, compiled: bool) -> dict:
-    from kernels.w4a16 import w4a16_linear_ref
-    from kernels.w8a16 import w8a16_linear, w8a16_linear_ref
+    from morphling_kernels.w4a16 import w4a16_linear_ref
+    from morphling_kernels.w8a16 import w8a16_linear, w8a16_linear_ref
     from services.executor.engine.model.decoder import linear
 
     found = {

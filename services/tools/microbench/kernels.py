@@ -95,8 +95,8 @@ def linear_kernels(device: torch.device, dtype: torch.dtype, copy_gbs: float, se
 def _linear_rows(n: int, k: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype,
                  copy_gbs: float) -> list[dict]:
     """Every kernel at every row count on one [n, k] weight (freed on return)."""
-    from kernels.w4a16 import w4a16_linear
-    from kernels.w8a16 import w8a16_linear
+    from morphling_kernels.w4a16 import w4a16_linear
+    from morphling_kernels.w8a16 import w8a16_linear
 
     w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype)
     q8, q4 = quantize_int8(w), quantize_int4(w, int4_group(k))
@@ -149,7 +149,7 @@ def attention_kernels(device: torch.device, dtype: torch.dtype, copy_gbs: float,
 def _attention_rows(batch: int, gen: torch.Generator, host_gen: torch.Generator, device: torch.device,
                     dtype: torch.dtype, copy_gbs: float) -> list[dict]:
     """Paged decode attention over a synthetic arena and SDPA over the same K/V made contiguous."""
-    from kernels.paged_attention import paged_decode_attention, partition_tokens
+    from morphling_kernels.paged_attention import paged_decode_attention, partition_tokens
 
     a = ATTENTION
     ctx, bs, kvh, hd, layer = a["context"], a["block_size"], a["kv_heads"], a["head_dim"], a["layer"]

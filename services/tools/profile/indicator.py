@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kernels.prefill_attention import prefill_attention
+from morphling_kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import LINEARS, DecoderModel, fused_ffn, int4_group_of, rms_norm, rotate
 from services.executor.engine.morphing.importance import WINDOW, fingerprint, load_tokens, write_json

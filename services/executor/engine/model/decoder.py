@@ -11,12 +11,12 @@ so a piece's input channels are consecutive rows. The views a layer hands out ar
 tensors whatever the storage (`slot_views`), so every matmul, quantizer and evaluator sees one shape.
 Zero gate/up rows give silu(0)·0 = 0 and zero down columns add nothing: padding changes no result.
 
-INT4 variants come in one of two packings (`int4_packing`): our nibbles (kernels/w4a16.py), or on CPU torch's
+INT4 variants come in one of two packings (`int4_packing`): our nibbles (morphling_kernels/w4a16.py), or on CPU torch's
 int4 layout, for its kernel. That layout is blocked by output rows, so gate_up's pieces stay whole blocks
 and down_proj is stored as one matrix per piece (a cut keeps whole matrices).
 
 Its element-wise steps (RMSNorm with the residual add, RoPE with the K/V write, SiLU·mul) are fused kernels on
-CUDA (kernels/fused.py), rounding where torch rounds; `layer` takes a layer's views and bits as arguments, so
+CUDA (morphling_kernels/fused.py), rounding where torch rounds; `layer` takes a layer's views and bits as arguments, so
 that decode graphs (graphs.py) can capture a layer at every width its slot can hold.
 
 The batch is flat: single-token decodes first (paged decode attention over their block tables, in groups
@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kernels.fused import add_rms_norm, rms_norm, rope_write_kv, rotate, silu_mul
-from kernels.kv_write import write_kv
-from kernels.paged_attention import DecodeGather, decode_gather, paged_decode_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed
-from kernels.w8a16 import w8a16_linear
+from morphling_kernels.fused import add_rms_norm, rms_norm, rope_write_kv, rotate, silu_mul
+from morphling_kernels.kv_write import write_kv
+from morphling_kernels.paged_attention import DecodeGather, decode_gather, paged_decode_attention
+from morphling_kernels.prefill_attention import prefill_attention
+from morphling_kernels.w4a16 import w4a16_linear, w4a16_linear_cpu_packed
+from morphling_kernels.w8a16 import w8a16_linear
 from services.executor.engine.memory.arena import Arena, align
 from services.executor.engine.model.checkpoint import Checkpoint
 from services.executor.engine.model.config import ModelConfig

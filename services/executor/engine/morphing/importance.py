@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kernels.prefill_attention import prefill_attention
+from morphling_kernels.prefill_attention import prefill_attention
 from services.executor.engine.engine import LLMEngine
 from services.executor.engine.model.decoder import DecoderModel, mlp, rms_norm, rotate
 from services.executor.engine.morphing.simulated import SimulatedQuantization, require_full_precision

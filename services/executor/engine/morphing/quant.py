@@ -3,7 +3,7 @@
 INT8: symmetric, one scale per output channel: w ≈ q * scale, q in [-127, 127].
 INT4: asymmetric, per output channel and group of `group_size` input channels:
 w ≈ (q - zero) * scale, q in [0, 15], packed two per byte (low nibble = even input index).
-These are the torch references; the W8A16/W4A16 kernels in kernels/ consume the same tensors, except torch's
+These are the torch references; the W8A16/W4A16 kernels in morphling_kernels/ consume the same tensors, except torch's
 CPU int4 kernel, which wants its own layout of the same codes (`to_cpu_int4pack`).
 """
 

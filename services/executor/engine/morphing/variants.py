@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kernels.prefill_attention import prefill_attention
+from morphling_kernels.prefill_attention import prefill_attention
 from services.executor.engine.model.config import ModelConfig
 from services.executor.engine.model.decoder import (INPUT_MAJOR, LINEARS, DecoderModel, int4_group_of, int4_tensors,
                                                     layer_layout, mlp, rotate, variant_layout)

@@ -20,7 +20,7 @@ registers, which is the point of W8A16: decode is bound by weight bandwidth.
   ``tl.dot``; the weight is read once per row block instead of being
   dequantised to a full-precision copy first. It may split K too.
 * Which tiles, split and path a shape gets is timed on the GPU itself, once
-  per (shape, power of two of the rows): ``kernels/tuning.py``.
+  per (shape, power of two of the rows): ``morphling_kernels/tuning.py``.
 
 On CPU a decode step's few rows go to torch's packed int8 kernel
 (``torch._weight_int8pack_mm``) with bfloat16 activations, which reads the
@@ -40,7 +40,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.tuning import choose, rows_bucket
+from morphling_kernels.tuning import choose, rows_bucket
 
 try:
     import triton
@@ -105,7 +105,7 @@ def _gemv_block_n(block_m: int) -> int:
     return 32 if block_m <= 2 else 16
 
 
-# What the tuner (kernels/tuning.py) times beside the defaults. A GEMV's broadcast product holds
+# What the tuner (morphling_kernels/tuning.py) times beside the defaults. A GEMV's broadcast product holds
 # BLOCK_M x BLOCK_N x BLOCK_K floats, so its tiles shrink as rows grow; a K split aims at SPLITS programs per
 # multiprocessor (0: none), which decode's few output tiles need and a GEMM's many may not.
 GEMV_TILES = ((32, 64), (32, 128), (64, 128), (128, 64), (64, 256), (16, 256), (16, 64))  # (BLOCK_N, BLOCK_K)
@@ -299,7 +299,7 @@ def w8a16_linear_triton(
     config: tuple | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`w8a16_linear_ref`. ``config``: one of :func:`launch_candidates`; None takes
-    the tuned one (kernels/tuning.py)."""
+    the tuned one (morphling_kernels/tuning.py)."""
     n_out, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"activation width {x.shape[-1]} does not match the weight's {k}")

@@ -26,11 +26,11 @@ what bounds decode) and is unpacked in registers:
 * ``BLOCK_K`` is a power of two dividing the group size (64 unless tuned),
   so a chunk never straddles a group and needs one scale and one zero per output.
 * Decode (few rows) is a split-K GEMV with broadcast-multiply-reduce, as in
-  ``kernels/w8a16.py``; prefill is a tiled GEMM on ``tl.dot``, which may split
+  ``morphling_kernels/w8a16.py``; prefill is a tiled GEMM on ``tl.dot``, which may split
   K too.  A group size whose power-of-two part is below 32 would give ``tl.dot``
   an operand narrower than 16, so such (unusual) weights run the GEMV kernel for
   prefill too.  Tiles, split and path are timed on the GPU itself, as for W8A16
-  (``kernels/tuning.py``); a chunk may span 64, 128 or 256 inputs of one group.
+  (``morphling_kernels/tuning.py``); a chunk may span 64, 128 or 256 inputs of one group.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.tuning import choose, rows_bucket
-from kernels.w8a16 import _split_k, launch_candidates, partials
+from morphling_kernels.tuning import choose, rows_bucket
+from morphling_kernels.w8a16 import _split_k, launch_candidates, partials
 
 try:
     import triton
@@ -84,7 +84,7 @@ def block_ks(group_size: int) -> tuple[int, ...]:
 
 
 if _HAS_TRITON:
-    from kernels.w8a16 import gemv_sum
+    from morphling_kernels.w8a16 import gemv_sum
 
     @triton.jit
     def _dequant_chunk(p_ptr, s_ptr, z_ptr, rn, n_mask, k0, group_size, stride_pn, stride_pk, stride_sn,
@@ -245,8 +245,8 @@ def w4a16_linear_triton(
     bias: torch.Tensor | None = None,
     config: tuple | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`w4a16_linear_ref`. ``config``: one of ``launch_candidates`` (kernels/w8a16.py)
-    for :func:`block_ks`; None takes the tuned one (kernels/tuning.py)."""
+    """Triton version of :func:`w4a16_linear_ref`. ``config``: one of ``launch_candidates`` (morphling_kernels/w8a16.py)
+    for :func:`block_ks`; None takes the tuned one (morphling_kernels/tuning.py)."""
     n_out, half = packed.shape
     k = half * 2
     if x.shape[-1] != k:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_write import write_kv_ref
+from morphling_kernels.kv_write import write_kv_ref
 
 try:
     import triton

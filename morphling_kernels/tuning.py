@@ -5,7 +5,7 @@ the batch, and a table written for one GPU is wrong for the next (issue 15 measu
 0.22-0.73x of cuBLAS on an H100). So the first time a kernel meets a (shape, rows) key it times a few
 candidate configurations on the device, keeps the fastest, and records it in a small JSON file per GPU model,
 from which the next process starts tuned. Rows are keyed by their power of two, so a prefill of any length
-costs at most one tuning per bucket. `kernels/tuned/` ships the files of the GPUs lent to this project: a
+costs at most one tuning per bucket. `morphling_kernels/tuned/` ships the files of the GPUs lent to this project: a
 fresh machine of such a model starts from them (its own file wins where both have a key), since tuning an
 engine's start cold took an H100 over six minutes.
 

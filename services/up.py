@@ -90,8 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help=f"the levers the ladder may use, of {', '.join(LEVERS)} (quantize: MorphServe; "
                          f"replicate: CoCoServe; tp: AMOEBAs), or none (default: all)")
     ap.add_argument("--cocoserve", choices=("off", "scale-down", "default"),
-                    help="CoCoServe on instances of several executors (--plan, --tp): replicate layers onto idle "
-                         "members, migrate, evict and cut the batch under SLO violations (default: default with the "
+                    help="CoCoServe: replicate layers onto idle members of an instance (--plan), or onto an idle "
+                         "executor serving alone, released at the next arrival; migrate, evict and cut the batch "
+                         "under SLO violations (default: default with the "
                          "replicate lever and a --mode other than off, else off)")
     ap.add_argument("--morph-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one morph setting of the controller's preset, e.g. max_layers=30 (repeatable)")

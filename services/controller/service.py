@@ -2,7 +2,8 @@
 
 One policy, the ladder (policies/ladder.py), over every lever `--levers` allows: MorphServe's layer swapping
 (policies/morph.py, `--mode`) on every instance's leader; CoCoServe's scale-down, and its scale-up on idle
-capacity (policies/cocoserve.py, `--cocoserve`), on instances of several executors; AMOEBAs' split of TP merges
+capacity (policies/cocoserve.py, `--cocoserve`), on instances of several executors and onto idle executors serving
+alone; AMOEBAs' split of TP merges
 nothing needs any more (policies/amoebas.py, `--amoebas`). All off runs the process with no policy at all
 rather than not running it, so that deployments, `morphling up` and the audit trail keep one shape whether or
 not anything morphs: the static baselines (executors started with --static-bits) are measured with exactly that.

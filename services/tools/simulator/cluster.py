@@ -156,6 +156,8 @@ class Simulation(SimReporting, SimControl):
             form_worlds(self.executors, self.worlds, fleet, settings, plans, arenas)
         self.merges = MergeRoom(self, settings.controller.split_free_fraction)
         self._merging: dict[str, set[str]] = {}  # a merge's instance -> the members already at its collective
+        self._joining: dict[str, dict] = {}  # a join's newcomer -> its sides already at its collective (control.py)
+        self._refused_joins: dict[str, str] = {}  # a newcomer -> why its join, still to come, is refused
         self.view = ClusterView(settings.monitor)
         self.controller = Controller(settings.controller, ladder.policies_for(settings.controller))
         self.state: ClusterState | None = None

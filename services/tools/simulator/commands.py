@@ -3,7 +3,7 @@
 costs. Mixed into SimExecutor (executor.py).
 """
 
-from services.tools.simulator import costs
+from services.tools.simulator import costs, joins
 from services.tools.simulator.instance import SimulatedRefusal, swap
 from shared.core.errors import OutOfPagesError
 from shared.core.planner.memory import FULL_BITS
@@ -58,7 +58,11 @@ class SimCommands:
         if self.group is None:
             raise SimulatedRefusal(f"{args.kind} refused: instance {instance} has one member: nowhere to move "
                                    f"layers to")
-        return self.group.reshape(args)
+        group = self.group
+        state, seconds = group.reshape(args)
+        if left := joins.part(group):
+            state = {**state, "left": left, "plan": group.plan.model_dump()}
+        return state, seconds
 
     def _next_layers(self, layers: int | list[int], bits: int) -> list[int]:
         if isinstance(layers, list):

@@ -121,6 +121,7 @@ class SimInstance:
         limits = self.leader.limits
         self.scheduler = Scheduler(self.blocks, limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_waiting)
         self.sticky: dict[int, dict[str, str]] = {}  # replicated segment -> request id -> replica
+        self.joined: set[str] = set()  # members that joined at run time: they leave holding no layer (joins.py)
         for member in members.values():
             member.map_blocks(blocks)
             member.join(self)

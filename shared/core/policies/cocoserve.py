@@ -5,30 +5,31 @@ Where it sits on the controller's ladder (DESIGN.md; ladder.py orders the rungs)
 (policies/morph.py) is the cheapest rung; then, cheapest first under pressure, this module's: migrate
 layers off the leader (phase 1), evict replicas (phase 2), cut the batch cap (phase 3); and the reverse
 order when pressure ends: the batch cap back up, replicas back (scale-up), migrated layers back, then the
-restores. Replicating on idle capacity (scale-up) is the last rung.
+restores. Replicating on idle capacity (scale-up) is the last rung: onto idle members, and onto an idle executor
+serving alone that a busy one serving alone recruits, and releases at once when work arrives
+(cocoserve_recruits.py).
 
 What telemetry cannot tell is kept in InstanceMemory (the hysteresis runs, the batch cap before the first
-cut, the migrations done), passed in and returned by the pure `plan`. A restarted controller forgets them:
-a cut cap then stays where it is and migrated layers where they are until an operator moves them.
+cut, the migrations done, the recruits), passed in and returned by the pure `plan`. A restarted controller
+forgets them: a cut cap then stays where it is and migrated layers where they are until an operator moves them.
 
 Modes: off (nothing), scale-down (Algorithm 2 and its reverse, never a new replica: for measuring
 robustness alone), default (both algorithms).
 """
 
-import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from shared.config import ControllerConfig
 from shared.core.hysteresis import HysteresisState, advance, interrupted
-from shared.core.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, ScaleUp,
-                                                               Step, batch_tokens, consecutive_runs, eligible_nodes,
-                                                               instances, ranges, scale_down_step, scale_up,
-                                                               settings_for_config, vacancy)
+from shared.core.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, Step, batch_tokens,
+                                                       consecutive_runs, eligible_nodes, instances, predicted_scale_up,
+                                                       ranges, scale_down_step, settings_for_config, vacancy)
+from shared.core.policies.cocoserve_recruits import Recruit, recruits, return_step
 from shared.core.policies.interface import PlannedCommand, Policy, updated
 from shared.core.speedup import DEFAULT_PROFILE, SpeedupProfile, Strategy, gamma, predict
-from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs,
-                             ReplicateArgs)
+from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, JoinArgs,
+                             MigrateArgs, ReplicateArgs)
 
 
 # --- memory --------------------------------------------------------------------------------------------
@@ -49,6 +50,8 @@ class InstanceMemory:
     batch_target: int | None = None
     migrations: tuple[Migration, ...] = ()  # phase 1's, oldest first
     last_command: float | None = None
+    recruited: tuple[str, ...] = ()  # executors it recruited while serving alone (cocoserve_recruits.py)
+    load_floor: int = 0  # the least running + waiting on the leader since it recruited them
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,8 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
         return None
     tokens = batch_tokens(view, settings)
     strategy = Strategy.of_plan(view.plan)
-    result = _scale_up(strategy, tuple((name, k) for name, k, _ in nodes), profile, tokens, settings.equation)
+    result = predicted_scale_up(strategy, tuple((name, k) for name, k, _ in nodes), profile, tokens,
+                                settings.equation)
     if not result.added:
         return None
     commands: list[CommandArgs] = [ReplicateArgs(instance=view.plan.id, layers=span, to=dst)
@@ -175,17 +179,20 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
     return Step("replicate", commands, inputs)
 
 
-@functools.lru_cache(maxsize=4096)
-def _scale_up(strategy: Strategy, nodes: tuple[tuple[str, int], ...], profile: SpeedupProfile, tokens: int,
-              equation: str) -> ScaleUp:
-    # An instance with an eligible node weighs Algorithm 1 at every state, and keeps its plan, its spare pages and
-    # its batch cap (the tokens) for long: the same answer. It was half of CoCoServe's decision at a thousand
-    # executors. The result is shared: read it, never change it.
-    return scale_up(strategy, nodes, lambda s: predict(s, profile, tokens, equation))
-
-
 def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSettings, profile: SpeedupProfile,
                    now: float, hold_down: bool = False) -> tuple[list[PlannedCommand], InstanceMemory]:
+    t = view.leader.telemetry
+    memory = updated(memory, recruited=tuple(m for m in memory.recruited if m in view.plan.members),
+                     load_floor=min(memory.load_floor, t.running + t.waiting))
+    if memory.recruited and view.whole:  # before settling: a recruit goes back the moment work arrives
+        release = return_step(view, memory.recruited, settings, memory.load_floor)
+        if release is not None:
+            memory = replace(_quiet(memory), last_command=now)
+            why = (f"recruits {', '.join(memory.recruited)} go back to serving alone "
+                   f"({release.inputs['released_for']}: the leader runs {t.running} and queues {t.waiting}, "
+                   f"{memory.load_floor} together at the least since they came): their replicas evicted")
+            inputs = {"instance": view.plan.id, "phase": "release", **release.inputs}
+            return [PlannedCommand(view.plan.leader, args, why, inputs) for args in release.commands], memory
     settling = memory.last_command is not None and now - memory.last_command < settings.settle_s
     if not view.whole or settling:
         return [], _quiet(memory)
@@ -240,6 +247,38 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
     return [PlannedCommand(view.plan.leader, args, why, inputs) for args in step.commands], memory
 
 
+def _plan_recruit(recruit: Recruit, memory: InstanceMemory, settings: CocoSettings, profile: SpeedupProfile,
+                  now: float) -> tuple[list[PlannedCommand], InstanceMemory]:
+    """Algorithm 1 for a leader serving alone with `recruit`'s newcomer as its node, through the scale-up
+    hysteresis: the leader's replicates and the newcomer's join, or nothing."""
+    if memory.last_command is not None and now - memory.last_command < settings.min_dwell_s:
+        return [], _quiet(memory)  # a recruit released moments ago: the lull that brought it was short
+    leader, newcomer, t = recruit.leader.executor, recruit.newcomer.executor, recruit.leader.telemetry
+    plan = t.plan
+    tokens = settings.batch_tokens or t.max_num_seqs or max(1, t.running)
+    strategy = Strategy.of_plan(plan)
+    result = predicted_scale_up(strategy, ((newcomer, recruit.max_replicas),), profile, tokens, settings.equation)
+    event, idle = advance(settings.up_hysteresis, memory.idle, bool(result.added), False, now)
+    memory = updated(memory, idle=idle, recruited=())
+    if event != "enter":
+        return [], memory
+    memory = replace(memory, recruited=(newcomer,), load_floor=t.running + t.waiting, last_command=now)
+    spans = ranges(result.added[newcomer])
+    inputs = {"instance": plan.id, "phase": "recruit", "newcomer": newcomer, "max_replicas": recruit.max_replicas,
+              "vacancy": {newcomer: recruit.vacancy.as_dict()}, "leader_blocks": recruit.blocks,
+              "layer_pages": max(t.layer_pages, recruit.newcomer.telemetry.layer_pages), "running": t.running,
+              "speedup_before": result.before, "speedup_after": result.after, "equation": settings.equation,
+              "tokens": tokens}
+    placed = ", ".join(f"layers {a}-{b}" for a, b in spans)
+    why = (f"{newcomer} serving alone has run nothing for {settings.up_windows} windows (vacancy "
+           f"{recruit.vacancy.rate:.0%}; T_up {settings.t_up:.0%}) while {leader} runs {t.running} sequences: "
+           f"replicas of {placed} on {newcomer} raise the predicted speed-up {result.before:.3f} -> "
+           f"{result.after:.3f} ({settings.equation} at {tokens} tokens); it joins {leader}'s instance {plan.id}")
+    commands = [PlannedCommand(leader, ReplicateArgs(instance=plan.id, layers=span, to=newcomer), why, inputs)
+                for span in spans]
+    return [*commands, PlannedCommand(newcomer, JoinArgs(instance=plan.id, leader=leader), why, inputs)], memory
+
+
 def plan(state: ClusterState, memory: CocoMemory, settings: CocoSettings, profile: SpeedupProfile = DEFAULT_PROFILE,
          hold_down: Collection[str] = ()) -> tuple[list[PlannedCommand], CocoMemory]:
     """Pure: the commands for `state` and the memory for the next one. Instances whose leader is in
@@ -253,6 +292,15 @@ def plan(state: ClusterState, memory: CocoMemory, settings: CocoSettings, profil
         planned, out[view.plan.id] = _plan_instance(view, previous, settings, profile, state.time,
                                                     view.plan.leader in hold_down)
         commands.extend(planned)
+    if settings.mode == "default":
+        for recruit in recruits(state, settings):
+            leader = recruit.leader.executor
+            if leader in hold_down:
+                continue
+            instance = recruit.leader.telemetry.plan.id
+            previous = memory.instances.get(instance, InstanceMemory())
+            planned, out[instance] = _plan_recruit(recruit, previous, settings, profile, state.time)
+            commands.extend(planned)
     # An instance missing from this state (its leader silent) keeps what it recorded: a leader that comes
     # back still has its cut cap and its migrated layers, or its telemetry shows they are gone.
     for instance, kept in memory.instances.items():

@@ -53,7 +53,7 @@ from dataclasses import dataclass, fields
 
 from shared.config import ControllerConfig
 from shared.core.hysteresis import HysteresisParams
-from shared.core.speedup import EQUATIONS, Strategy
+from shared.core.speedup import EQUATIONS, SpeedupProfile, Strategy, predict
 from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs)
 
 MODES = ("off", "scale-down", "default")
@@ -248,6 +248,15 @@ def scale_up(strategy: Strategy, nodes: Sequence[tuple[str, int]],
             else:
                 pending.append(layer)
     return ScaleUp(strategy, added, before, best)
+
+
+@functools.lru_cache(maxsize=4096)
+def predicted_scale_up(strategy: Strategy, nodes: tuple[tuple[str, int], ...], profile: SpeedupProfile, tokens: int,
+                       equation: str) -> ScaleUp:
+    """Algorithm 1 on the speed-up `equation` predicts at `tokens` a step. An instance with an eligible node weighs
+    it at every state and keeps its plan, its spare pages and its batch cap (the tokens) for long: the same answer.
+    It was half of CoCoServe's decision at a thousand executors. The result is shared: read it, never change it."""
+    return scale_up(strategy, nodes, lambda s: predict(s, profile, tokens, equation))
 
 
 def eligible_nodes(view: InstanceView, settings: CocoSettings) -> list[tuple[str, int, Vacancy]]:

@@ -24,7 +24,8 @@ from shared.config import ControllerConfig
 from shared.core.hysteresis import HysteresisState, advance, interrupted
 from shared.core.policies.cocoserve_algorithms import (PHASE_NAMES, CocoSettings, InstanceView, Step, batch_tokens,
                                                        consecutive_runs, eligible_nodes, instances, predicted_scale_up,
-                                                       ranges, scale_down_step, settings_for_config, vacancy)
+                                                       ranges, scale_down_step, settings_for_config, vacancy,
+                                                       violating)
 from shared.core.policies.cocoserve_recruits import Recruit, recruits, return_step
 from shared.core.policies.interface import PlannedCommand, Policy, updated
 from shared.core.speedup import DEFAULT_PROFILE, SpeedupProfile, Strategy, gamma, predict
@@ -165,7 +166,7 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
     nodes = eligible_nodes(view, settings)
     if not nodes:  # Algorithm 1 adds nothing, and weighing the plan it keeps was most of a fleet's decision
         return None
-    tokens = batch_tokens(view, settings)
+    tokens = batch_tokens(view.leader, settings)
     strategy = Strategy.of_plan(view.plan)
     result = predicted_scale_up(strategy, tuple((name, k) for name, k, _ in nodes), profile, tokens,
                                 settings.equation)
@@ -182,8 +183,9 @@ def _scale_up_step(view: InstanceView, settings: CocoSettings, profile: SpeedupP
 def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSettings, profile: SpeedupProfile,
                    now: float, hold_down: bool = False) -> tuple[list[PlannedCommand], InstanceMemory]:
     t = view.leader.telemetry
-    memory = updated(memory, recruited=tuple(m for m in memory.recruited if m in view.plan.members),
-                     load_floor=min(memory.load_floor, t.running + t.waiting))
+    if memory.recruited:
+        memory = updated(memory, recruited=tuple(m for m in memory.recruited if m in view.plan.members),
+                         load_floor=min(memory.load_floor, t.running + t.waiting))
     if memory.recruited and view.whole:  # before settling: a recruit goes back the moment work arrives
         release = return_step(view, memory.recruited, settings, memory.load_floor)
         if release is not None:
@@ -198,13 +200,13 @@ def _plan_instance(view: InstanceView, memory: InstanceMemory, settings: CocoSet
         return [], _quiet(memory)
     memory = _forget_done(memory, view, settings, now)
     leader, slo = view.leader, view.leader.slo
-    tokens = batch_tokens(view, settings)
+    tokens = batch_tokens(view.leader, settings)
 
     def speedup_of(strategy: Strategy) -> float:
         return predict(strategy, profile, tokens, settings.equation)
 
-    violating = slo.requests >= settings.min_requests and slo.violation_rate > settings.t_down and not hold_down
-    down = scale_down_step(view, settings, speedup_of) if violating else None
+    pressed = violating(slo, settings) and not hold_down
+    down = scale_down_step(view, settings, speedup_of) if pressed else None
     cut = memory.original_batch is not None
     dwelling = (memory.pressure.last_direction == "enter" and memory.pressure.last_change is not None
                 and now - memory.pressure.last_change < settings.min_dwell_s)
@@ -255,7 +257,7 @@ def _plan_recruit(recruit: Recruit, memory: InstanceMemory, settings: CocoSettin
         return [], _quiet(memory)  # a recruit released moments ago: the lull that brought it was short
     leader, newcomer, t = recruit.leader.executor, recruit.newcomer.executor, recruit.leader.telemetry
     plan = t.plan
-    tokens = settings.batch_tokens or t.max_num_seqs or max(1, t.running)
+    tokens = batch_tokens(recruit.leader, settings)
     strategy = Strategy.of_plan(plan)
     result = predicted_scale_up(strategy, ((newcomer, recruit.max_replicas),), profile, tokens, settings.equation)
     event, idle = advance(settings.up_hysteresis, memory.idle, bool(result.added), False, now)

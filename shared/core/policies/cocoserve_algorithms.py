@@ -54,7 +54,8 @@ from dataclasses import dataclass, fields
 from shared.config import ControllerConfig
 from shared.core.hysteresis import HysteresisParams
 from shared.core.speedup import EQUATIONS, SpeedupProfile, Strategy, predict
-from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs)
+from shared.messages import (BatchArgs, ClusterState, CommandArgs, EvictArgs, ExecutorState, InstancePlan, MigrateArgs,
+                             SloWindow)
 
 MODES = ("off", "scale-down", "default")
 
@@ -186,14 +187,22 @@ class Vacancy:
         return {"memory": self.memory, "compute": self.compute, "rate": self.rate}
 
 
-def vacancy(es: ExecutorState) -> Vacancy:
+def vacancy(es: ExecutorState, spare_pages: int | None = None) -> Vacancy:
+    """Its vacancy; `spare_pages` in place of those it reports (an executor serving alone, once it joined)."""
     t = es.telemetry
-    memory = t.spare_pages / t.kv.pages_total if t.kv.pages_total > 0 else 0.0
+    spare = t.spare_pages if spare_pages is None else spare_pages
+    memory = spare / t.kv.pages_total if t.kv.pages_total > 0 else 0.0
     return Vacancy(memory=min(1.0, max(0.0, memory)), compute=min(1.0, max(0.0, 1.0 - t.busy)))
 
 
-def batch_tokens(view: InstanceView, settings: CocoSettings) -> int:
-    t = view.leader.telemetry
+def violating(slo: SloWindow, settings: CocoSettings) -> bool:
+    """Pressure: the SLO violation rate over T_down, over enough requests to be a rate."""
+    return slo.requests >= settings.min_requests and slo.violation_rate > settings.t_down
+
+
+def batch_tokens(leader: ExecutorState, settings: CocoSettings) -> int:
+    """The tokens a step the speed-up is predicted at: the setting, else the leader's batch cap."""
+    t = leader.telemetry
     return settings.batch_tokens or t.max_num_seqs or max(1, t.running)
 
 

@@ -21,7 +21,8 @@ arrivals an executor. A restarted controller forgets its recruits; they then go 
 
 from dataclasses import dataclass
 
-from shared.core.policies.cocoserve_algorithms import CocoSettings, InstanceView, Step, Vacancy, consecutive_runs
+from shared.core.policies.cocoserve_algorithms import (CocoSettings, InstanceView, Step, Vacancy, consecutive_runs,
+                                                       vacancy, violating)
 from shared.core.roles import join_refusal
 from shared.messages import ClusterState, EvictArgs, ExecutorState
 
@@ -53,7 +54,7 @@ def recruit_for(leader: ExecutorState, newcomer: ExecutorState, settings: CocoSe
     spare = nt.kv.pages_total - blocks
     if r <= 0 or spare < r or nt.kv.pages_total <= 0:
         return None
-    vacant = Vacancy(memory=min(1.0, spare / nt.kv.pages_total), compute=min(1.0, max(0.0, 1.0 - nt.busy)))
+    vacant = vacancy(newcomer, spare)
     if vacant.rate <= settings.t_up:
         return None
     return Recruit(leader, newcomer, min(len(lt.layers), spare // r), vacant, blocks)
@@ -88,18 +89,15 @@ def recruits(state: ClusterState, settings: CocoSettings) -> list[Recruit]:
     return out
 
 
-def arrived(load: int, floor: int) -> bool:
-    """Work came since the recruit: the leader's running and waiting (`load`) above the least they were."""
-    return load > floor
-
-
 def return_step(view: InstanceView, recruited: tuple[str, ...], settings: CocoSettings, floor: int) -> Step | None:
-    """Every replica the recruits hold, evicted (one command per run), when work arrived, the leader runs nothing
-    or violations show; None otherwise, or when a recruit holds a layer alone (a migration put it there)."""
-    t, slo = view.leader.telemetry, view.leader.slo
-    violating = slo.requests >= settings.min_requests and slo.violation_rate > settings.t_down
+    """Every replica the recruits hold, evicted (one command per run), when work arrived (the leader's running and
+    waiting above `floor`, the least they were since the recruit came), the leader runs nothing or violations
+    show; None otherwise, or when a recruit holds a layer alone (a migration put it there)."""
+    t = view.leader.telemetry
     load = t.running + t.waiting
-    if not (arrived(load, floor) or t.running == 0 or violating):
+    why = ("work arrived" if load > floor else "the leader runs nothing" if t.running == 0
+           else "violations" if violating(view.leader.slo, settings) else None)
+    if why is None:
         return None
     commands = []
     for member in recruited:
@@ -110,6 +108,5 @@ def return_step(view: InstanceView, recruited: tuple[str, ...], settings: CocoSe
                      for run in consecutive_runs(held)]
     if not commands:
         return None
-    why = "work arrived" if arrived(load, floor) else "the leader runs nothing" if t.running == 0 else "violations"
     return Step("release", commands, {"recruits": list(recruited), "load": load, "load_floor": floor,
                                       "released_for": why})
